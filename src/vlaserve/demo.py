@@ -1,0 +1,279 @@
+"""A tiny random-weight Pi0.5 checkpoint, built offline, so `vlaserve serve` works with no download.
+
+The demo produces meaningless actions: it exists to exercise the whole serving path (formats,
+protocols, batching) on any machine. It is written in the LeRobot checkpoint layout, so it loads
+through exactly the same code as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DEMO_NAME = "demo-pi05-v1"
+DEMO_SEED = 20261201
+CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+STATE_DIM = ACTION_DIM = 14
+CHUNK_SIZE = 50
+NUM_STEPS = 10
+TOKENIZER_MAX_LENGTH = 48  # short prompts keep the demo prefix small and the CPU fast
+TOKENIZER_VOCAB_SIZE = 768
+MODEL_VOCAB_SIZE = 1024
+
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VLASERVE_CACHE") or Path.home() / ".cache" / "vlaserve")
+
+
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the demo checkpoint, built on first use (atomically, so concurrent starts are safe)."""
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    target = root / DEMO_NAME
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    log.warning("building the DEMO checkpoint (tiny, random weights) in %s", target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=root))
+    try:
+        write_demo_checkpoint(staging)
+        os.rename(staging, target)
+    except OSError:
+        # Another process finished first; its copy is identical (same seed), so use it.
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def write_demo_checkpoint(out: Path) -> None:
+    from safetensors.numpy import save_file as save_numpy
+    from safetensors.torch import save_file as save_torch
+
+    from .weights import random_lerobot_state_dict
+
+    architecture = demo_architecture()
+    _write_json(out / "architecture.json", architecture)
+    _write_json(out / "config.json", demo_config())
+    state_dict = random_lerobot_state_dict(architecture, seed=DEMO_SEED)
+    save_torch({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"))
+
+    stats = normalization_stats(np.random.default_rng(DEMO_SEED))
+    _write_json(out / "policy_preprocessor.json", preprocessor_pipeline())
+    save_numpy(stats, str(out / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
+    _write_json(out / "policy_postprocessor.json", postprocessor_pipeline())
+    save_numpy(stats, str(out / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
+
+    tokenizer_dir = out / "tokenizer"
+    tokenizer_dir.mkdir()
+    build_tokenizer().save(str(tokenizer_dir / "tokenizer.json"))
+    _write_json(tokenizer_dir / "tokenizer_config.json", {
+        "backend": "tokenizers", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "padding_side": "right", "tokenizer_class": "TokenizersBackend",
+    })
+    _write_json(tokenizer_dir / "special_tokens_map.json",
+                {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"})
+    (out / "README.md").write_text(
+        "# vlaserve DEMO checkpoint\n\n"
+        "Tiny Pi0.5 with RANDOM weights, generated offline by `vlaserve.demo`. Its actions mean nothing;\n"
+        "it exists to try the server and its protocols without downloading a model.\n"
+    )
+
+
+def demo_architecture() -> dict:
+    """Same schema as the golden test checkpoint's architecture.json, with the same tiny sizes."""
+    gemma = {"num_heads": 8, "num_kv_heads": 1, "head_dim": 16, "vocab_size": MODEL_VOCAB_SIZE,
+             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "gelu_pytorch_tanh"}
+    return {
+        "format": "pi05-golden-architecture/1",
+        "demo": True,
+        "lerobot_variant_names": {"vlm": "gemma_2b", "expert": "gemma_300m"},
+        "note": "vlaserve demo checkpoint: tiny sizes, random weights; config.json names the lerobot variants only.",
+        "vlm": {"width": 64, "depth": 2, "mlp_dim": 128, **gemma, "embed_scale": 8.0},
+        "expert": {"width": 32, "depth": 2, "mlp_dim": 64, **gemma, "adarms": True, "adarms_cond_dim": 32,
+                   "embed_tokens": None, "lm_head_unused": True},
+        "vision": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "head_dim": 16, "mlp_dim": 64,
+                   "patch_size": 14, "image_size": 224, "num_patches": 256, "projection_dim": 64,
+                   "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "use_head": False},
+        "policy": {
+            "cameras": list(CAMERAS), "camera_key_prefix": "observation.images.",
+            "state_dim": STATE_DIM, "action_dim": ACTION_DIM, "chunk_size": CHUNK_SIZE,
+            "n_action_steps": CHUNK_SIZE, "num_inference_steps": NUM_STEPS,
+            "tokenizer_max_length": TOKENIZER_MAX_LENGTH, "max_state_dim": 32, "max_action_dim": 32,
+            "empty_cameras": 0, "image_resolution": [224, 224],
+            "prefix_len": len(CAMERAS) * 256 + TOKENIZER_MAX_LENGTH,
+            "time_embedding": {"dim": 32, "min_period": 0.004, "max_period": 4.0},
+            "dtype": "float32",
+        },
+        "init": {"seed": DEMO_SEED, "std": 0.1, "norm_std": 0.1},
+    }
+
+
+def demo_config() -> dict:
+    """A LeRobot PI05Config (draccus JSON), as `PI05Policy.save_pretrained` writes it."""
+    visual = {"type": "VISUAL", "shape": [3, 224, 224]}
+    return {
+        "type": "pi05",
+        "n_obs_steps": 1,
+        "input_features": {
+            **{f"observation.images.{cam}": dict(visual) for cam in CAMERAS},
+            "observation.state": {"type": "STATE", "shape": [STATE_DIM]},
+        },
+        "output_features": {"action": {"type": "ACTION", "shape": [ACTION_DIM]}},
+        "device": "cpu",
+        "use_amp": False,
+        "use_peft": False,
+        "push_to_hub": False,
+        "repo_id": None,
+        "private": None,
+        "tags": ["vlaserve-demo"],
+        "license": None,
+        "pretrained_path": None,
+        "pretrained_revision": None,
+        "paligemma_variant": "gemma_2b",
+        "action_expert_variant": "gemma_300m",
+        "dtype": "float32",
+        "chunk_size": CHUNK_SIZE,
+        "n_action_steps": CHUNK_SIZE,
+        "max_state_dim": 32,
+        "max_action_dim": 32,
+        "num_inference_steps": NUM_STEPS,
+        "time_sampling_beta_alpha": 1.5,
+        "time_sampling_beta_beta": 1.0,
+        "time_sampling_scale": 0.999,
+        "time_sampling_offset": 0.001,
+        "min_period": 0.004,
+        "max_period": 4.0,
+        "use_relative_actions": False,
+        "relative_exclude_joints": ["gripper"],
+        "action_feature_names": None,
+        "rtc_config": None,
+        "image_resolution": [224, 224],
+        "empty_cameras": 0,
+        "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
+        "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+        "gradient_checkpointing": False,
+        "compile_model": False,
+        "compile_mode": "max-autotune",
+        "freeze_vision_encoder": False,
+        "train_expert_only": False,
+        "optimizer_lr": 2.5e-05,
+        "optimizer_betas": [0.9, 0.95],
+        "optimizer_eps": 1e-08,
+        "optimizer_weight_decay": 0.01,
+        "optimizer_grad_clip_norm": 1.0,
+        "scheduler_warmup_steps": 1000,
+        "scheduler_decay_steps": 30000,
+        "scheduler_decay_lr": 2.5e-06,
+    }
+
+
+def _normalizer_features(with_inputs: bool) -> dict:
+    features = {}
+    if with_inputs:
+        features.update({f"observation.images.{cam}": {"type": "VISUAL", "shape": [3, 224, 224]} for cam in CAMERAS})
+        features["observation.state"] = {"type": "STATE", "shape": [STATE_DIM]}
+    features["action"] = {"type": "ACTION", "shape": [ACTION_DIM]}
+    return features
+
+
+NORM_MAP = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+
+
+def preprocessor_pipeline() -> dict:
+    return {"name": "policy_preprocessor", "steps": [
+        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+        {"registry_name": "to_batch_processor", "config": {}},
+        {"registry_name": "relative_actions_processor",
+         "config": {"enabled": False, "exclude_joints": ["gripper"], "action_names": None}},
+        {"registry_name": "normalizer_processor",
+         "config": {"eps": 1e-08, "features": _normalizer_features(True), "norm_map": NORM_MAP},
+         "state_file": "policy_preprocessor_step_3_normalizer_processor.safetensors"},
+        {"registry_name": "pi05_prepare_state_tokenizer_processor_step", "config": {}},
+        {"registry_name": "tokenizer_processor",
+         "config": {"max_length": TOKENIZER_MAX_LENGTH, "task_key": "task", "padding_side": "right",
+                    "padding": "max_length", "truncation": True,
+                    "tokenizer_name": "google/paligemma-3b-pt-224"}},
+        {"registry_name": "device_processor", "config": {"device": "cpu", "float_dtype": None}},
+    ]}
+
+
+def postprocessor_pipeline() -> dict:
+    return {"name": "policy_postprocessor", "steps": [
+        {"registry_name": "unnormalizer_processor",
+         "config": {"eps": 1e-08, "features": _normalizer_features(False), "norm_map": NORM_MAP},
+         "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"},
+        {"registry_name": "absolute_actions_processor", "config": {"enabled": False}},
+        {"registry_name": "device_processor", "config": {"device": "cpu", "float_dtype": None}},
+    ]}
+
+
+def normalization_stats(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per-dimension statistics with the orderings real data has: min < q01 < mean < q99 < max."""
+    stats = {}
+    for key, dim in (("observation.state", STATE_DIM), ("action", ACTION_DIM)):
+        q01 = rng.normal(0.0, 1.0, dim)
+        spread = rng.uniform(0.5, 3.0, dim)
+        q99 = q01 + spread
+        values = {
+            "q01": q01, "q99": q99,
+            "mean": q01 + rng.uniform(0.3, 0.7, dim) * spread,
+            "std": rng.uniform(0.15, 0.35, dim) * spread,
+            "min": q01 - rng.uniform(0.05, 0.5, dim) * spread,
+            "max": q99 + rng.uniform(0.05, 0.5, dim) * spread,
+        }
+        stats.update({f"{key}.{name}": v.astype(np.float32) for name, v in values.items()})
+    return stats
+
+
+# Prompts look like "Task: pick up the red block, State: 12 200 -1 ...;\nAction: ", so the corpus is
+# task phrases, the prompt scaffolding and the state-bin numbers.
+_VERBS = ("pick up", "put down", "place", "move", "push", "pull", "open", "close", "stack", "fold",
+          "grasp", "lift", "insert", "rotate", "wipe", "pour", "hand over", "slide", "press", "sort")
+_OBJECTS = ("the red block", "the blue cup", "the green bowl", "the drawer", "the towel", "the lid",
+            "the bottle", "the sponge", "the marker", "the box", "the door", "the plate", "the spoon",
+            "the cube", "the shirt", "the peg", "the cable", "the button", "the tray", "the can")
+_PLACES = ("on the table", "into the box", "onto the plate", "to the left", "to the right",
+           "next to the cup", "in the bin", "on the shelf", "neatly", "slowly")
+
+
+def tokenizer_corpus() -> list[str]:
+    lines = []
+    for i, verb in enumerate(_VERBS):
+        for j, obj in enumerate(_OBJECTS):
+            place = _PLACES[(i + j) % len(_PLACES)]
+            bins = " ".join(str((37 * i + 11 * j + 5 * k) % 256) for k in range(STATE_DIM))
+            # "\n" stays out of the corpus so that it is byte-encoded, as in the golden tokenizer.
+            lines += [f"Task: {verb} {obj} {place}, State: {bins};", "Action: "]
+    lines.append(" ".join(str(n) for n in range(256)))
+    return lines
+
+
+def build_tokenizer():
+    """A small BPE with PaliGemma's conventions, matching the golden checkpoint's stand-in tokenizer:
+    <pad>=0 <eos>=1 <bos>=2 <unk>=3, byte fallback <0x00>..<0xFF> = 4..259, '▁' word boundaries,
+    <bos> prepended and no <eos>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=False))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=specials, show_progress=False)
+    tokenizer.train_from_iterator(tokenizer_corpus(), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
+    return tokenizer
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=4) + "\n")

@@ -1,0 +1,3 @@
+from .batcher import Batcher, BatcherClosed
+
+__all__ = ["Batcher", "BatcherClosed"]

@@ -1,0 +1,148 @@
+"""Dynamic batching in front of a Policy.
+
+One worker thread owns the policy (and so the device); asyncio handlers only enqueue and await.
+Requests that arrive within `batch_delay_ms` of the first one share a single `infer_batch` call,
+which is where a GPU gets its throughput: a batch of 8 costs far less than 8 calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import InvalidObservation
+
+log = logging.getLogger(__name__)
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher is draining or stopped and takes no new requests."""
+
+
+@dataclass
+class _Request:
+    obs: dict
+    noise: object
+    seed: int | None
+    num_steps: int | None
+    rtc: dict | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+_STOP = object()
+
+
+class Batcher:
+    def __init__(self, policy, max_batch_size: int = 8, batch_delay_ms: float = 2.0,
+                 on_batch: Callable[[int], None] | None = None):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if batch_delay_ms < 0:
+            raise ValueError("batch_delay_ms must be non-negative")
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.batch_delay_s = batch_delay_ms / 1000.0
+        self.on_batch = on_batch
+        self._queue: queue.Queue = queue.Queue()
+        # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vlaserve-inference", daemon=True)
+        self._thread.start()
+
+    async def submit(self, obs: dict, noise=None, seed: int | None = None, num_steps: int | None = None,
+                     rtc: dict | None = None):
+        """Runs one observation; the result's `timings` gains `queue_ms`."""
+        loop = asyncio.get_running_loop()
+        request = _Request(obs, noise, seed, num_steps, rtc, loop, loop.create_future())
+        with self._lock:
+            if self._closed:
+                raise BatcherClosed("the server is shutting down")
+            self._queue.put(request)
+        return await request.future
+
+    def close(self) -> None:
+        """Stops taking requests, finishes every queued one, then joins the worker."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        # Requests that did not fit the current batch (another num_steps), in arrival order.
+        held: collections.deque = collections.deque()
+        while True:
+            first = held.popleft() if held else self._queue.get()
+            if first is _STOP:
+                return
+            batch = [first]
+            for request in list(held):
+                if len(batch) == self.max_batch_size:
+                    break
+                if request is not _STOP and request.num_steps == first.num_steps:
+                    held.remove(request)
+                    batch.append(request)
+            deadline = time.perf_counter() + self.batch_delay_s
+            while len(batch) < self.max_batch_size:
+                try:
+                    request = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    break
+                if request is not _STOP and request.num_steps == first.num_steps:
+                    batch.append(request)
+                else:
+                    held.append(request)
+                    if request is _STOP:
+                        break
+            self._execute(batch)
+
+    def _execute(self, batch: list[_Request]) -> None:
+        started = time.perf_counter()
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
+        try:
+            results = self.policy.infer_batch(
+                [r.obs for r in batch],
+                noise=_per_item(r.noise for r in batch),
+                seeds=_per_item(r.seed for r in batch),
+                num_steps=batch[0].num_steps,
+                rtcs=_per_item(r.rtc for r in batch),
+            )
+        except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
+            if not isinstance(error, InvalidObservation):
+                log.exception("infer_batch failed for a batch of %d", len(batch))
+            for request in batch:
+                _resolve(request, error=error)
+            return
+        for request, result in zip(batch, results, strict=True):
+            result.timings["queue_ms"] = (started - request.enqueued_at) * 1000.0
+            _resolve(request, result=result)
+
+
+def _per_item(values) -> list | None:
+    values = list(values)
+    return None if all(v is None for v in values) else values
+
+
+def _resolve(request: _Request, result=None, error: Exception | None = None) -> None:
+    def settle() -> None:
+        if request.future.done():  # the caller went away (cancelled); nobody is waiting
+            return
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(result)
+
+    try:
+        request.loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # that event loop is already closed: the server stopped while this request ran

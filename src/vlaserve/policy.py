@@ -1,0 +1,332 @@
+"""Policy: observation -> preprocess -> prefix -> denoise -> postprocess, with timings.
+
+This is the only object the server talks to. It owns the model, the tokenizer and the
+normalization statistics; the engine (CUDA graphs, caches) plugs in below `_sample`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import PolicyConfig, load_policy_config
+from .errors import CheckpointError, InvalidObservation
+from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
+from .processing.images import empty_image, prepare_image
+from .processing.normalize import Normalization, load_normalization
+from .processing.prompt import PromptTokenizer, build_prompt, discretize_state, find_tokenizer
+from .weights import build_model, load_weights, parameter_counts
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+RTC_DEFAULTS = {"inference_delay": 0, "execution_horizon": 10, "max_guidance_weight": 10.0, "schedule": "linear",
+                "space": "model"}
+
+
+@dataclass
+class InferenceResult:
+    actions: np.ndarray  # float32 [horizon, action_dim], un-normalized
+    model_actions: np.ndarray  # float32 [horizon, max_action_dim], model space
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PreparedObservation:
+    """One observation after host preprocessing (what the model sees, plus how it got there)."""
+
+    images: torch.Tensor  # [N, 3, S, S] float32 in [-1, 1], slots in the reference's order
+    image_mask: torch.Tensor  # [N] bool
+    slot_cameras: list[str]  # camera of each slot
+    tokens: torch.Tensor  # [L] int64
+    token_mask: torch.Tensor  # [L] bool
+    normalized_state: np.ndarray
+    state_bins: np.ndarray
+    prompt: str
+    truncated: bool
+
+
+@dataclass
+class ModelInputs:
+    """A batch, ready for the model: plain tensors with the batch dimension first."""
+
+    images: torch.Tensor  # [B, N, 3, S, S]
+    image_masks: torch.Tensor  # [B, N]
+    tokens: torch.Tensor  # [B, L]
+    token_mask: torch.Tensor  # [B, L]
+
+    def to(self, device) -> "ModelInputs":
+        return ModelInputs(*(t.to(device, non_blocking=True) for t in
+                             (self.images, self.image_masks, self.tokens, self.token_mask)))
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("device 'cuda' requested but no CUDA device is available (use --device cpu)")
+    return device
+
+
+def resolve_checkpoint(path_or_id: str | Path) -> Path:
+    """A local directory, or a Hugging Face hub id fetched through huggingface_hub."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_id)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"checkpoint {text!r} is not a directory (nor a hub id of the form owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "assets/**"]))
+    except Exception as e:  # offline, gated, unknown repo: all end here with the reason
+        raise CheckpointError(f"could not fetch {text!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+                              "Offline? Download it elsewhere and pass the local directory.") from None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Policy:
+    def __init__(self, model: Pi05Model, config: PolicyConfig, normalization: Normalization,
+                 tokenizer: PromptTokenizer, device: torch.device, dtype: torch.dtype, name: str = "pi05",
+                 checkpoint: str = "", is_demo: bool = False):
+        self.model, self.config, self.normalization = model.eval(), config, normalization
+        self.tokenizer, self.device, self.dtype = tokenizer, device, dtype
+        self.state_norm = normalization.state.cut(config.state_dim)
+        self.action_norm = normalization.action.cut(config.action_dim)
+        self.name, self.checkpoint, self.is_demo = name, checkpoint, is_demo
+        self.load_seconds = 0.0
+        self.engine = None  # set by vlaserve.engine for the CUDA fast path
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "bfloat16",
+                        tokenizer: str | Path | None = None, progress: bool = True) -> "Policy":
+        started = time.perf_counter()
+        if dtype not in DTYPES:
+            raise CheckpointError(f"dtype {dtype!r} is not supported (choose from {sorted(DTYPES)})")
+        torch_device = resolve_device(device)
+        directory = resolve_checkpoint(path_or_id)
+        config = load_policy_config(directory)
+        normalization = load_normalization(directory)
+        prompt_tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, tokenizer))
+        model = load_weights(build_model(config.model), directory, DTYPES[dtype], torch_device, progress=progress)
+        is_demo = bool(_read_arch_flag(directory, "demo"))
+        policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
+                     name=directory.name, checkpoint=str(directory), is_demo=is_demo)
+        policy.load_seconds = time.perf_counter() - started
+        return policy
+
+    @property
+    def metadata(self) -> dict:
+        c = self.config
+        return {
+            "model": self.name, "checkpoint": self.checkpoint, "is_demo": self.is_demo,
+            "cameras": list(c.cameras), "state_dim": c.state_dim, "action_dim": c.action_dim,
+            "action_horizon": c.action_horizon, "max_action_dim": c.model.max_action_dim,
+            "max_token_len": c.max_token_len, "num_inference_steps": c.num_inference_steps,
+            "image_resolution": list(c.image_resolution), "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device), "parameter_counts": parameter_counts(self.model),
+            "normalization": self.normalization.source, "tokenizer": self.tokenizer.source,
+        }
+
+    # ---- preprocessing ------------------------------------------------------------------
+    def check_observation(self, obs: dict) -> None:
+        self.prepare(obs)
+
+    def prepare(self, obs: dict) -> PreparedObservation:
+        if not isinstance(obs, dict):
+            raise InvalidObservation("observation", "expected a mapping with images, state and task")
+        c = self.config
+        images = obs.get("images")
+        if not isinstance(images, dict) or not images:
+            raise InvalidObservation("images", f"expected a mapping camera -> image for some of {list(c.cameras)}")
+        unknown = [k for k in images if k not in c.cameras]
+        if unknown:
+            raise InvalidObservation(f"images.{unknown[0]}", f"unknown camera; this policy takes {list(c.cameras)}")
+        task = obs.get("task")
+        if not isinstance(task, str):
+            raise InvalidObservation("task", "expected a string")
+
+        state = _as_float_array(obs.get("state"), "state")
+        if state.shape != (c.state_dim,):
+            raise InvalidObservation("state", f"expected shape [{c.state_dim}], got {list(state.shape)}")
+
+        resolution = c.image_resolution[0]
+        normalized = bool(obs.get("images_normalized", False))
+        present = [cam for cam in c.cameras if cam in images and images[cam] is not None]
+        if not present:
+            raise InvalidObservation("images", "at least one camera image is required")
+        # The reference's slot order: present cameras in config order, then the absent ones.
+        slot_cameras = present + [cam for cam in c.cameras if cam not in present]
+        slots = [prepare_image(images[cam], resolution, f"images.{cam}", normalized) for cam in present]
+        slots += [empty_image(resolution) for _ in range(len(c.cameras) - len(present))]
+        image_mask = torch.tensor([cam in present for cam in slot_cameras])
+
+        normalized_state = self.state_norm.normalize(state)
+        bins = discretize_state(normalized_state)
+        prompt = build_prompt(task, bins)
+        tokenized = self.tokenizer(prompt, c.max_token_len)
+        return PreparedObservation(
+            images=torch.stack(slots), image_mask=image_mask, slot_cameras=slot_cameras,
+            tokens=torch.from_numpy(tokenized.ids), token_mask=torch.from_numpy(tokenized.mask),
+            normalized_state=normalized_state, state_bins=bins, prompt=prompt, truncated=tokenized.truncated)
+
+    def collate(self, prepared: list[PreparedObservation]) -> ModelInputs:
+        return ModelInputs(images=torch.stack([p.images for p in prepared]),
+                           image_masks=torch.stack([p.image_mask for p in prepared]),
+                           tokens=torch.stack([p.tokens for p in prepared]),
+                           token_mask=torch.stack([p.token_mask for p in prepared]))
+
+    def make_noise(self, noise, seed) -> torch.Tensor:
+        shape = (self.config.action_horizon, self.config.model.max_action_dim)
+        if noise is not None:
+            arr = _as_float_array(noise, "noise")
+            if arr.shape != shape:
+                raise InvalidObservation("noise", f"expected shape {list(shape)}, got {list(arr.shape)}")
+            return torch.from_numpy(arr)
+        if seed is not None:
+            if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+                raise InvalidObservation("seed", "expected an integer")
+            return torch.randn(shape, generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float32)
+        return torch.randn(shape, dtype=torch.float32)
+
+    def make_rtc(self, rtcs: list[dict | None]) -> RTCGuidance | None:
+        if not any(r is not None for r in rtcs):
+            return None
+        h, a = self.config.action_horizon, self.config.model.max_action_dim
+        prev = torch.zeros(len(rtcs), h, a)
+        weights = torch.zeros(len(rtcs), h)
+        max_weight = torch.zeros(len(rtcs))
+        for i, rtc in enumerate(rtcs):
+            if rtc is None:
+                continue
+            if not isinstance(rtc, dict):
+                raise InvalidObservation("rtc", "expected a mapping")
+            unknown = set(rtc) - set(RTC_DEFAULTS) - {"prev_chunk"}
+            if unknown:
+                raise InvalidObservation(f"rtc.{sorted(unknown)[0]}", "unknown RTC option")
+            opts = {**RTC_DEFAULTS, **rtc}
+            chunk = _as_float_array(rtc.get("prev_chunk"), "rtc.prev_chunk")
+            if chunk.ndim != 2 or not 1 <= chunk.shape[0] <= h:
+                raise InvalidObservation("rtc.prev_chunk", f"expected shape [T <= {h}, D], got {list(chunk.shape)}")
+            if opts["space"] == "action":
+                if chunk.shape[1] != self.config.action_dim:
+                    raise InvalidObservation("rtc.prev_chunk", f"action-space chunks have {self.config.action_dim} dims")
+                chunk = self.action_norm.normalize(chunk)
+            elif opts["space"] != "model":
+                raise InvalidObservation("rtc.space", "expected 'model' or 'action'")
+            if chunk.shape[1] > a:
+                raise InvalidObservation("rtc.prev_chunk", f"at most {a} dims, got {chunk.shape[1]}")
+            for key in ("inference_delay", "execution_horizon"):
+                if not isinstance(opts[key], (int, np.integer)) or isinstance(opts[key], bool) or opts[key] < 0:
+                    raise InvalidObservation(f"rtc.{key}", "expected a non-negative integer")
+            w_max = opts["max_guidance_weight"]
+            if not isinstance(w_max, (int, float)) or not math.isfinite(w_max) or w_max < 0:
+                raise InvalidObservation("rtc.max_guidance_weight", "expected a finite non-negative number")
+            try:
+                weights[i] = rtc_prefix_weights(int(opts["inference_delay"]),
+                                                min(int(opts["execution_horizon"]), chunk.shape[0]), h,
+                                                str(opts["schedule"]).lower())
+            except ValueError as e:
+                raise InvalidObservation("rtc.schedule", str(e)) from None
+            prev[i, : chunk.shape[0], : chunk.shape[1]] = torch.from_numpy(chunk)
+            max_weight[i] = float(w_max)
+        return RTCGuidance(prev.to(self.device), weights.to(self.device), max_weight.to(self.device))
+
+    # ---- inference ----------------------------------------------------------------------
+    def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None,
+              rtc: dict | None = None) -> InferenceResult:
+        return self.infer_batch([obs], noise=None if noise is None else [noise],
+                                seeds=None if seed is None else [seed], num_steps=num_steps,
+                                rtcs=None if rtc is None else [rtc])[0]
+
+    def infer_batch(self, observations: list[dict], noise=None, seeds=None, num_steps: int | None = None,
+                    rtcs=None) -> list[InferenceResult]:
+        started = time.perf_counter()
+        n = len(observations)
+        if n == 0:
+            return []
+        noise = _per_item(noise, n, "noise")
+        seeds = _per_item(seeds, n, "seed")
+        rtcs = _per_item(rtcs, n, "rtc")
+        steps = self.config.num_inference_steps if num_steps is None else num_steps
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 1 <= steps <= 1000:
+            raise InvalidObservation("num_steps", "expected an integer in [1, 1000]")
+
+        inputs = self.collate([self.prepare(o) for o in observations]).to(self.device)
+        x1 = torch.stack([self.make_noise(z, s) for z, s in zip(noise, seeds)]).to(self.device)
+        rtc = self.make_rtc(rtcs)
+        _sync(self.device)
+        prepared = time.perf_counter()
+
+        model_actions, stage_ms = self._sample(inputs, x1, int(steps), rtc)
+
+        post_start = time.perf_counter()
+        model_np = model_actions.float().cpu().numpy()
+        actions = self.action_norm.unnormalize(model_np[..., : self.config.action_dim])
+        finished = time.perf_counter()
+        timings = {"preprocess_ms": (prepared - started) * 1e3, **stage_ms,
+                   "postprocess_ms": (finished - post_start) * 1e3, "batch_size": n}
+        return [InferenceResult(actions=actions[i], model_actions=model_np[i], timings=dict(timings))
+                for i in range(n)]
+
+    @torch.no_grad()
+    def _sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None):
+        if self.engine is not None:
+            return self.engine.sample(inputs, noise, num_steps, rtc)
+        t0 = time.perf_counter()
+        ctx = self.compute_prefix(inputs)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        actions = self.model.denoise(ctx, noise, num_steps, rtc)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        return actions, {"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (t2 - t1) * 1e3}
+
+    def compute_prefix(self, inputs: ModelInputs) -> PrefixContext:
+        embs, pad_mask = self.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
+        return self.model.compute_prefix(embs, pad_mask)
+
+
+def _read_arch_flag(directory: Path, key: str):
+    import json
+
+    path = directory / "architecture.json"
+    return json.loads(path.read_text()).get(key) if path.exists() else None
+
+
+def _per_item(values, n: int, field: str) -> list:
+    if values is None:
+        return [None] * n
+    if len(values) != n:
+        raise InvalidObservation(field, f"expected one entry per observation ({n}), got {len(values)}")
+    return list(values)
+
+
+def _as_float_array(value, field: str) -> np.ndarray:
+    if value is None:
+        raise InvalidObservation(field, "missing")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    try:
+        arr = np.asarray(value)
+    except Exception:
+        raise InvalidObservation(field, "expected a numeric array") from None
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidObservation(field, f"expected numbers, got {arr.dtype}")
+    arr = arr.astype(np.float32)
+    if not np.isfinite(arr).all():
+        raise InvalidObservation(field, "contains NaN or inf")
+    return arr

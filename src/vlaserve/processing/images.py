@@ -1,0 +1,83 @@
+"""Camera images -> SigLIP input: [3, S, S] float32 in [-1, 1].
+
+Accepted inputs: uint8 HWC/CHW, float [0, 1] HWC/CHW, or float [-1, 1] when the caller says
+so explicitly (`normalized=True`); the range is never guessed from the values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidObservation
+
+
+def to_chw_tensor(image, field: str) -> torch.Tensor:
+    """Validates layout and dtype; returns a [3, H, W] tensor (uint8 or float32), unscaled."""
+    if isinstance(image, torch.Tensor):
+        image = image.detach().cpu().numpy()
+    image = np.asarray(image)
+    if image.ndim != 3:
+        raise InvalidObservation(field, f"expected an image of rank 3 (HWC or CHW), got shape {list(image.shape)}")
+    if image.shape[-1] == 3:
+        image = image.transpose(2, 0, 1)
+    elif image.shape[0] != 3:
+        raise InvalidObservation(field, f"expected 3 colour channels (RGB) first or last, got shape {list(image.shape)}")
+    if image.shape[1] < 1 or image.shape[2] < 1:
+        raise InvalidObservation(field, f"empty image of shape {list(image.shape)}")
+    if image.dtype == np.uint8:
+        return torch.from_numpy(np.ascontiguousarray(image))
+    if image.dtype.kind != "f":
+        raise InvalidObservation(field, f"expected uint8 or float pixels, got {image.dtype}")
+    image = image.astype(np.float32, copy=False)
+    if not np.isfinite(image).all():
+        raise InvalidObservation(field, "image contains NaN or inf")
+    return torch.from_numpy(np.ascontiguousarray(image))
+
+
+def resized_shape(height: int, width: int, target: int) -> tuple[int, int]:
+    # A float quotient, truncated, exactly as the reference (36x72 -> 111 rows, not 112).
+    ratio = max(width / target, height / target)
+    return int(height / ratio), int(width / ratio)
+
+
+def resize_with_pad(image: torch.Tensor, target: int, round_to_bytes: bool) -> torch.Tensor:
+    """[3, H, W] float in [0, 255] (bytes) or [0, 1] -> [3, target, target], same scale.
+
+    Bilinear, align_corners=False, no antialiasing (even when shrinking); centred zero padding
+    with the odd pixel at the bottom/right.
+    """
+    _, h, w = image.shape
+    new_h, new_w = resized_shape(h, w, target)
+    resized = F.interpolate(image[None], size=(new_h, new_w), mode="bilinear", align_corners=False)[0]
+    resized = resized.round().clamp(0, 255) if round_to_bytes else resized.clamp(0.0, 1.0)
+    top, left = (target - new_h) // 2, (target - new_w) // 2
+    return F.pad(resized, (left, target - new_w - left, top, target - new_h - top), value=0.0)
+
+
+def prepare_image(image, resolution: int, field: str, normalized: bool = False) -> torch.Tensor:
+    """Any accepted image -> [3, resolution, resolution] float32 in [-1, 1]."""
+    chw = to_chw_tensor(image, field)
+    if chw.dtype == torch.uint8:
+        # OpenPI semantics: resized uint8 pixels are rounded back to the byte grid.
+        pixels = chw.float()
+        if pixels.shape[1:] != (resolution, resolution):
+            pixels = resize_with_pad(pixels, resolution, round_to_bytes=True)
+        unit = pixels / 255.0
+    else:
+        low, high = (-1.0, 1.0) if normalized else (0.0, 1.0)
+        if chw.numel() and (chw.min() < low or chw.max() > high):
+            hint = "" if normalized else "; pass images_normalized=true for images already in [-1, 1]"
+            raise InvalidObservation(field, f"float pixels must lie in [{low:g}, {high:g}]{hint}")
+        unit = (chw + 1.0) / 2.0 if normalized else chw
+        if unit.shape[1:] != (resolution, resolution):
+            unit = resize_with_pad(unit, resolution, round_to_bytes=False)
+        elif normalized:
+            return chw.clone()
+    return unit * 2.0 - 1.0
+
+
+def empty_image(resolution: int) -> torch.Tensor:
+    """What an absent camera contributes (its mask is off, so its values never matter)."""
+    return torch.full((3, resolution, resolution), -1.0)

@@ -1,0 +1,225 @@
+"""Checkpoint layouts -> our parameter names, the dtype policy, strict loading.
+
+Our module tree mirrors the LeRobot one below a few renamed roots, so one prefix table maps
+names both ways. Loading is strict: a missing, unexpected or wrong-shaped tensor is an error
+that names the keys; a partially random model is never served.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .model.pi05 import Pi05Model
+
+_PG = "paligemma_with_expert.paligemma.model."
+_VIS = _PG + "vision_tower.vision_model."
+# (LeRobot name prefix, our name prefix), most specific first.
+PREFIXES = [
+    (_VIS + "embeddings.patch_embedding.", "vision.patch_embedding."),
+    (_VIS + "embeddings.position_embedding.", "vision.position_embedding."),
+    (_VIS + "encoder.layers.", "vision.layers."),
+    (_VIS + "post_layernorm.", "vision.post_layernorm."),
+    (_PG + "multi_modal_projector.linear.", "projector."),
+    (_PG + "language_model.", "vlm."),
+    ("paligemma_with_expert.gemma_expert.model.", "expert."),
+    ("action_in_proj.", "action_in_proj."),
+    ("action_out_proj.", "action_out_proj."),
+    ("time_mlp_in.", "time_mlp_in."),
+    ("time_mlp_out.", "time_mlp_out."),
+]
+LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"  # tied to embed_tokens in PaliGemma
+# Present in real checkpoints, used by no Pi0.5 computation.
+IGNORED = re.compile(r"^(paligemma_with_expert\.gemma_expert\.lm_head\.|state_proj\.)")
+
+# Older transformers / OpenPI-converted layouts spell some roots differently.
+_LAYOUT_ALIASES = [
+    ("paligemma_with_expert.paligemma.language_model.model.", _PG + "language_model."),
+    ("paligemma_with_expert.paligemma.language_model.", _PG + "language_model."),
+    ("paligemma_with_expert.paligemma.vision_tower.", _PG + "vision_tower."),
+    ("paligemma_with_expert.paligemma.multi_modal_projector.", _PG + "multi_modal_projector."),
+    ("action_time_mlp_in.", "time_mlp_in."),
+    ("action_time_mlp_out.", "time_mlp_out."),
+]
+
+# The fp32 set: vision patch/position embeddings, every norm (incl. the AdaRMS dense layers),
+# and the small action/time projections. Everything else is stored in the serving dtype.
+FP32_PATTERN = re.compile(
+    r"^vision\.(patch_embedding|position_embedding)\.|layer_?norm|\.norm\.|^(action_in_proj|action_out_proj|"
+    r"time_mlp_in|time_mlp_out)\."
+)
+
+
+def canonical_lerobot_name(key: str) -> str:
+    if key.startswith("model."):
+        key = key[len("model."):]
+    for old, new in _LAYOUT_ALIASES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def to_our_name(lerobot_key: str) -> str | None:
+    """A checkpoint key -> our parameter name; None for tensors Pi0.5 does not use."""
+    key = canonical_lerobot_name(lerobot_key)
+    if IGNORED.match(key) or key == LM_HEAD:
+        return None
+    for theirs, ours in PREFIXES:
+        if key.startswith(theirs):
+            return ours + key[len(theirs):]
+    return "?" + key  # unknown: reported as unexpected
+
+
+def to_lerobot_name(our_name: str) -> str:
+    for theirs, ours in PREFIXES:
+        if our_name.startswith(ours):
+            return "model." + theirs + our_name[len(ours):]
+    raise KeyError(our_name)
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if FP32_PATTERN.search(name) else dtype
+
+
+def apply_dtype_policy(model: Pi05Model, dtype: torch.dtype) -> Pi05Model:
+    for name, p in model.named_parameters():
+        p.data = p.data.to(param_dtype(name, dtype))
+    return model
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    counts: Counter = Counter()
+    for p in model.parameters():
+        counts[str(p.dtype).removeprefix("torch.")] += p.numel()
+    return dict(counts)
+
+
+def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
+    single = checkpoint_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (checkpoint_dir / s).exists()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are missing: {missing}")
+        return [checkpoint_dir / s for s in shards]
+    shards = sorted(checkpoint_dir.glob("*.safetensors"))
+    shards = [s for s in shards if "processor" not in s.name]
+    if not shards:
+        raise CheckpointError(f"{checkpoint_dir} holds no model.safetensors (or shards + index)")
+    return shards
+
+
+def _format_keys(keys, limit: int = 12) -> str:
+    keys = sorted(keys)
+    more = f" … and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
+                 progress: bool = True) -> Pi05Model:
+    """Fills `model` (built on the meta device) from safetensors, strictly.
+
+    Tensors are read one at a time through mmap, cast and moved, so no full-precision copy of
+    the model ever sits in host memory.
+    """
+    expected = {n: p for n, p in model.named_parameters()}
+    sources: dict[str, tuple[Path, str]] = {}
+    lm_head: tuple[Path, str] | None = None
+    unexpected = []
+    files = checkpoint_files(checkpoint_dir)
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if canonical_lerobot_name(key) == LM_HEAD:
+                    lm_head = (path, key)
+                ours = to_our_name(key)
+                if ours is None:
+                    continue
+                if ours not in expected:
+                    unexpected.append(key)
+                else:
+                    sources[ours] = (path, key)
+    embed = "vlm.embed_tokens.weight"
+    if embed not in sources and lm_head is not None:
+        sources[embed] = lm_head  # tied weights: some checkpoints store only the head
+    missing = [n for n in expected if n not in sources]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_format_keys(to_lerobot_name(n) for n in missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_format_keys(unexpected)}")
+        raise CheckpointError(f"{checkpoint_dir} does not match the Pi0.5 architecture; " + "; ".join(parts))
+
+    by_file: dict[Path, list[str]] = {}
+    for ours, (path, _) in sources.items():
+        by_file.setdefault(path, []).append(ours)
+    loaded: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress)
+    wrong_shape = []
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for ours in names:
+                key = sources[ours][1]
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[ours].shape):
+                    wrong_shape.append(f"{key}: checkpoint {list(shape)} vs model {list(expected[ours].shape)}")
+                    bar.update()
+                    continue
+                loaded[ours] = f.get_tensor(key).to(device=device, dtype=param_dtype(ours, dtype))
+                bar.update()
+    bar.close()
+    if wrong_shape:
+        raise CheckpointError(f"{checkpoint_dir}: tensors of the wrong shape: " + "; ".join(wrong_shape[:12]))
+    model.load_state_dict(loaded, strict=True, assign=True)
+    return model
+
+
+def build_model(config: ModelConfig) -> Pi05Model:
+    """The module tree without storage; weights arrive through `load_weights`."""
+    with torch.device("meta"):
+        return Pi05Model(config)
+
+
+def random_lerobot_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random float32 weights in the LeRobot layout (demo and benchmark checkpoints).
+
+    Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    model = Pi05Model(config)
+    out = {}
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen) * std
+        if name.endswith("layernorm.weight") and name.startswith("vision."):
+            value = 1.0 + noise
+        else:
+            value = noise
+        out[to_lerobot_name(name)] = value.contiguous()
+    embed = out["model." + _PG + "language_model.embed_tokens.weight"]
+    out["model." + LM_HEAD] = embed.clone()
+    return out
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, std: float = 0.02) -> Pi05Model:
+    """A random model built directly on `device` (for speed and memory work at full size)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = Pi05Model(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, std, generator=gen)
+            if name.startswith("vision.") and name.endswith("layernorm.weight"):
+                p.add_(1.0)
+    return apply_dtype_policy(model, dtype).eval().requires_grad_(False)
