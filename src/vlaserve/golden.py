@@ -1,0 +1,162 @@
+"""Compare a Policy with reference-produced golden cases (the `pi05_golden` format).
+
+Every case holds inputs and the values the reference computed from them, stage by stage. This
+module recomputes each stage with our code and reports max|Δ| per tensor; tests assert on it and
+`python -m vlaserve.golden GOLDEN_DIR` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file
+
+from .model.pi05 import euler_times, rtc_guidance_weight, sinusoidal_time_embedding
+
+# Bugs move these values by 1e-3 or more (golden README §3); independent float32
+# implementations agree to ~1e-6. 1e-5 sits between the two with margin on both sides.
+FLOAT_TOLERANCE = 1e-5
+
+
+@dataclass
+class GoldenCase:
+    name: str
+    meta: dict
+    tensors: dict[str, np.ndarray]
+
+    @staticmethod
+    def load(case_dir: Path) -> "GoldenCase":
+        return GoldenCase(case_dir.name, json.loads((case_dir / "case.json").read_text()),
+                          load_file(str(case_dir / "tensors.safetensors")))
+
+    def observations(self) -> list[dict]:
+        """The reference was fed float32 CHW `uint8 / 255.0`; rebuild exactly that."""
+        t, m = self.tensors, self.meta
+        obs = []
+        for b in range(m["batch_size"]):
+            images = {cam: t[f"input.image_uint8.{cam}"][b].astype(np.float32) / np.float32(255.0)
+                      for cam in m["cameras_present"][b]}
+            obs.append({"images": images, "state": t["input.state"][b], "task": m["tasks"][b]})
+        return obs
+
+    def rtcs(self) -> list[dict] | None:
+        r = self.meta.get("rtc")
+        if not r:
+            return None
+        left = self.tensors["input.rtc_prev_chunk_left_over"]
+        return [{"prev_chunk": left[b], "inference_delay": r["inference_delay"],
+                 "execution_horizon": r["execution_horizon"], "max_guidance_weight": r["max_guidance_weight"],
+                 "schedule": r["prefix_attention_schedule"].lower()} for b in range(self.meta["batch_size"])]
+
+
+def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, float]]:
+    """-> (exact checks: name -> equal, float checks: name -> max|Δ|)."""
+    t, m = case.tensors, case.meta
+    exact: dict[str, bool] = {}
+    deltas: dict[str, float] = {}
+
+    def delta(name: str, ours, expected) -> None:
+        ours = ours.detach().cpu().float().numpy() if isinstance(ours, torch.Tensor) else np.asarray(ours)
+        if ours.shape != expected.shape:
+            deltas[name] = float("inf")
+        else:
+            deltas[name] = float(np.abs(ours.astype(np.float64) - expected.astype(np.float64)).max())
+
+    def equal(name: str, ours, expected) -> None:
+        ours = ours.detach().cpu().numpy() if isinstance(ours, torch.Tensor) else np.asarray(ours)
+        exact[name] = ours.shape == expected.shape and bool((ours == expected).all())
+
+    obs = case.observations()
+    prepared = [policy.prepare(o) for o in obs]
+    exact["prompts"] = [p.prompt for p in prepared] == m["prompts"]
+    exact["truncated"] = [p.truncated for p in prepared] == m["truncated"]
+    equal("state_bins", np.stack([p.state_bins for p in prepared]), t["expected.state_bins"])
+    equal("tokens", torch.stack([p.tokens for p in prepared]), t["expected.tokens"])
+    equal("token_mask", torch.stack([p.token_mask for p in prepared]), t["expected.token_mask"])
+    delta("state_normalized", np.stack([p.normalized_state for p in prepared]), t["expected.state_normalized"])
+    for cam in m["cameras_config_order"]:
+        slot = [p.slot_cameras.index(cam) for p in prepared]
+        delta(f"image.{cam}", torch.stack([p.images[s] for p, s in zip(prepared, slot)]), t[f"expected.image.{cam}"])
+        equal(f"image_mask.{cam}", torch.stack([p.image_mask[s] for p, s in zip(prepared, slot)]),
+              t[f"expected.image_mask.{cam}"])
+    exact["slot_order"] = all(
+        [p.slot_cameras[s["slot"]] for s in m["model_image_order"]] == [s["camera"] for s in m["model_image_order"]]
+        for p in prepared)
+
+    model = policy.model
+    with torch.no_grad():
+        inputs = policy.collate(prepared).to(policy.device)
+        embs, pad_mask = model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
+        delta("prefix_embs", embs, t["expected.prefix_embs"])
+        equal("prefix_pad_mask", pad_mask, t["expected.prefix_pad_mask"])
+        equal("prefix_position_ids", pad_mask.long().cumsum(1) - 1, t["expected.prefix_position_ids"])
+        ctx = model.compute_prefix(embs, pad_mask)
+        for i, (k, v) in enumerate(ctx.kv):
+            delta(f"prefix_kv.{i}.key", k, t[f"expected.prefix_kv.{i}.key"])
+            delta(f"prefix_kv.{i}.value", v, t[f"expected.prefix_kv.{i}.value"])
+        horizon = t["input.noise"].shape[1]
+        _, positions = model.action_attention(ctx, horizon)
+        equal("suffix_position_ids", positions, t["expected.suffix_position_ids"])
+
+        noise = torch.from_numpy(t["input.noise"]).to(policy.device)
+        batch = noise.shape[0]
+        one = torch.ones(batch, dtype=torch.float32, device=policy.device)
+        delta("v_t1", model.velocity(noise, model.time_condition(one), ctx), t["expected.v_t1"])
+
+        steps = m["num_steps"]
+        times = euler_times(steps)
+        delta("trace.timesteps", np.asarray(times, dtype=np.float32), t["expected.trace.timesteps"])
+        width = model.expert.dims.width
+        emb = [sinusoidal_time_embedding(torch.full((batch,), s, dtype=torch.float32), width,
+                                         model.config.time_min_period, model.config.time_max_period) for s in times]
+        delta("trace.time_emb", torch.stack(emb), t["expected.trace.time_emb"])
+        rtc = policy.make_rtc(case.rtcs() or [None] * batch)
+        trace: dict = {}
+        actions_model = model.denoise(ctx, noise, steps, rtc, trace=trace)
+        for name in ("x_t", "v_t", "adarms_cond", "v_guided"):
+            if f"expected.trace.{name}" in t:
+                delta(f"trace.{name}", torch.stack(trace[name]), t[f"expected.trace.{name}"])
+        if rtc is not None:
+            delta("rtc.prefix_weights", rtc.weights[0], t["expected.rtc.prefix_weights"])
+            w = torch.stack([rtc_guidance_weight(s, rtc.max_weight)[0] for s in times])
+            delta("rtc.guidance_weight", w, t["expected.rtc.guidance_weight"])
+        delta("actions_model", actions_model, t["expected.actions_model"])
+
+    # The public API end to end, as a user calls it.
+    results = policy.infer_batch(obs, noise=list(t["input.noise"]), num_steps=steps, rtcs=case.rtcs())
+    delta("api.actions_model", np.stack([r.model_actions for r in results]), t["expected.actions_model"])
+    delta("api.actions_normalized", np.stack([r.model_actions[:, : policy.config.action_dim] for r in results]),
+          t["expected.actions_normalized"])
+    delta("api.actions", np.stack([r.actions for r in results]), t["expected.actions"])
+    return exact, deltas
+
+
+def case_dirs(golden_dir: Path) -> list[Path]:
+    return sorted(p for p in (golden_dir / "cases").iterdir() if (p / "case.json").exists())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .policy import Policy
+
+    argv = sys.argv[1:] if argv is None else argv
+    golden = Path(argv[0] if argv else "../shared/pi05_golden")
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    worst = 0.0
+    for case_dir in case_dirs(golden):
+        exact, deltas = compare_case(policy, GoldenCase.load(case_dir))
+        bad = [k for k, ok in exact.items() if not ok]
+        print(f"## {case_dir.name}: exact checks {'all equal' if not bad else 'DIFFER: ' + ', '.join(bad)}")
+        for name, d in deltas.items():
+            print(f"  {name:28s} {d:.3g}")
+            worst = max(worst, d)
+    print(f"worst max|Δ| = {worst:.3g} (tolerance {FLOAT_TOLERANCE:g})")
+    return 0 if worst <= FLOAT_TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
