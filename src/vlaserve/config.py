@@ -94,7 +94,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def _model_from_architecture(arch: dict, chunk_size: int, max_action_dim: int) -> ModelConfig:
+def model_config_from_architecture(arch: dict, chunk_size: int, max_action_dim: int) -> ModelConfig:
     def gemma(d: dict) -> GemmaDims:
         return GemmaDims(
             width=d["width"], depth=d["depth"], mlp_dim=d["mlp_dim"], num_heads=d["num_heads"],
@@ -163,7 +163,7 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     max_action_dim = int(cfg.get("max_action_dim", 32))
     arch_path = checkpoint_dir / "architecture.json"
     if arch_path.exists():
-        model = _model_from_architecture(_read_json(arch_path), chunk_size, max_action_dim)
+        model = model_config_from_architecture(_read_json(arch_path), chunk_size, max_action_dim)
     else:
         try:
             vlm = GEMMA_VARIANTS[cfg.get("paligemma_variant", "gemma_2b")]

@@ -58,12 +58,15 @@ def write_demo_checkpoint(out: Path) -> None:
     from safetensors.numpy import save_file as save_numpy
     from safetensors.torch import save_file as save_torch
 
+    from .config import load_policy_config
     from .weights import random_lerobot_state_dict
 
     architecture = demo_architecture()
     _write_json(out / "architecture.json", architecture)
     _write_json(out / "config.json", demo_config())
-    state_dict = random_lerobot_state_dict(architecture, seed=DEMO_SEED)
+    # Read back through the loader, so the weights have exactly the shapes serving will expect.
+    model_config = load_policy_config(out).model
+    state_dict = random_lerobot_state_dict(model_config, seed=DEMO_SEED, std=architecture["init"]["std"])
     save_torch({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"))
 
     stats = normalization_stats(np.random.default_rng(DEMO_SEED))

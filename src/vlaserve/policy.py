@@ -112,7 +112,10 @@ class Policy:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "bfloat16",
-                        tokenizer: str | Path | None = None, progress: bool = True) -> "Policy":
+                        tokenizer: str | Path | None = None, progress: bool = True,
+                        fast_path: bool = True) -> "Policy":
+        """Loads a LeRobot/OpenPI Pi0.5 checkpoint. On CUDA the graph-captured fast path is used
+        unless `fast_path=False` (the eager model then runs, as on the CPU)."""
         started = time.perf_counter()
         if dtype not in DTYPES:
             raise CheckpointError(f"dtype {dtype!r} is not supported (choose from {sorted(DTYPES)})")
@@ -125,8 +128,19 @@ class Policy:
         is_demo = bool(_read_arch_flag(directory, "demo"))
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
                      name=directory.name, checkpoint=str(directory), is_demo=is_demo)
+        if fast_path and torch_device.type == "cuda":
+            policy.enable_fast_path()
         policy.load_seconds = time.perf_counter() - started
         return policy
+
+    def enable_fast_path(self, use_graphs: bool = True, use_triton: bool = True) -> None:
+        from .engine.graphs import CudaGraphEngine
+
+        if self.device.type != "cuda":
+            raise ValueError("the fast path needs a CUDA device; the eager model serves on the CPU")
+        c = self.config
+        self.engine = CudaGraphEngine(self.model, num_cameras=len(c.cameras), token_len=c.max_token_len,
+                                      horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton)
 
     @property
     def metadata(self) -> dict:
@@ -139,6 +153,7 @@ class Policy:
             "image_resolution": list(c.image_resolution), "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device), "parameter_counts": parameter_counts(self.model),
             "normalization": self.normalization.source, "tokenizer": self.tokenizer.source,
+            "fast_path": self.engine is not None,
         }
 
     # ---- preprocessing ------------------------------------------------------------------

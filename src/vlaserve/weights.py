@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from .config import ModelConfig, model_config_from_architecture
 from .errors import CheckpointError
 from .model.pi05 import Pi05Model
 
@@ -192,11 +192,15 @@ def build_model(config: ModelConfig) -> Pi05Model:
         return Pi05Model(config)
 
 
-def random_lerobot_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_lerobot_state_dict(config: ModelConfig | dict, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Random float32 weights in the LeRobot layout (demo and benchmark checkpoints).
 
-    Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
+    `config` is a ModelConfig or an `architecture.json` dict. Gemma RMSNorm offsets and SigLIP
+    LayerNorm scales are drawn around their identity values.
     """
+    if isinstance(config, dict):
+        policy = config.get("policy", {})
+        config = model_config_from_architecture(config, policy.get("chunk_size", 50), policy.get("max_action_dim", 32))
     gen = torch.Generator().manual_seed(seed)
     model = Pi05Model(config)
     out = {}

@@ -117,13 +117,15 @@ class Batcher:
                 num_steps=batch[0].num_steps,
                 rtcs=_per_item(r.rtc for r in batch),
             )
+            if len(results) != len(batch):
+                raise RuntimeError(f"infer_batch returned {len(results)} results for {len(batch)} observations")
         except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
             if not isinstance(error, InvalidObservation):
                 log.exception("infer_batch failed for a batch of %d", len(batch))
             for request in batch:
                 _resolve(request, error=error)
             return
-        for request, result in zip(batch, results, strict=True):
+        for request, result in zip(batch, results):
             result.timings["queue_ms"] = (started - request.enqueued_at) * 1000.0
             _resolve(request, result=result)
 

@@ -1,0 +1,359 @@
+"""GPU benchmark of Pi0.5 on the "ALOHA-3" workload, ours against LeRobot 0.6.1, in one run.
+
+Full-size Pi0.5 with random weights (bf16 + fp32 set), 3 cameras 224x224, prompts padded to
+200 tokens (70 valid) -> 968 prefix tokens, chunk 50x32, 10 steps; batch 1, 2, 4, 8.
+
+    python bench/bench_gpu.py [--lerobot] [--golden DIR] [--out DIR]
+
+Checks first (max|Δ| of actions between variants), then times each variant with CUDA events
+after warm-up, and writes JSON + PNG under bench/results/ (and --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from vlaserve.config import ModelConfig  # noqa: E402
+from vlaserve.engine.graphs import CudaGraphEngine, flops_per_call, math_floor_ms  # noqa: E402
+from vlaserve.policy import ModelInputs  # noqa: E402
+from vlaserve.weights import random_model, to_lerobot_name  # noqa: E402
+
+CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS = 3, 200, 70, 50, 10
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def time_cuda(fn, warmup=3, iters=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {"p50_ms": statistics.median(times), "p95_ms": times[min(len(times) - 1, int(0.95 * len(times)))],
+            "min_ms": times[0], "n": len(times)}
+
+
+def ceilings():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = time_cuda(lambda: a @ b, warmup=3, iters=10)["p50_ms"]
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    tc = time_cuda(lambda: y.copy_(x), warmup=2, iters=10)["p50_ms"]
+    return {"bf16_gemm_tflops": 2 * 8192**3 / (t * 1e-3) / 1e12, "copy_tbps": 2 * x.numel() / (tc * 1e-3) / 1e12}
+
+
+def make_inputs(b: int, vocab: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    images = torch.rand(b, CAMERAS, 3, 224, 224, device="cuda", generator=g) * 2 - 1
+    masks = torch.ones(b, CAMERAS, dtype=torch.bool, device="cuda")
+    tokens = torch.randint(3, vocab, (b, TOKENS), device="cuda", generator=g)
+    token_mask = torch.zeros(b, TOKENS, dtype=torch.bool, device="cuda")
+    token_mask[:, :VALID_TOKENS] = True
+    tokens[~token_mask] = 0
+    noise = torch.randn(b, HORIZON, 32, device="cuda", generator=g)
+    return ModelInputs(images, masks, tokens, token_mask), noise
+
+
+def eager(model, inputs, noise):
+    with torch.no_grad():
+        return model.sample(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, noise, STEPS)
+
+
+def maxdiff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def build_lerobot(model, dtype: str):
+    """LeRobot 0.6.1's PI05 (eager) holding exactly our weights."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    feats = {f"observation.images.{c}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224))
+             for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
+    feats["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(14,))
+    out = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(32,))}
+    torch.set_default_device("cuda")
+    torch.set_default_dtype(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    try:
+        policy = PI05Policy(PI05Config(device="cuda", dtype=dtype, input_features=feats, output_features=out))
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+    for name in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
+        getattr(policy.model, name).float()
+    state = {to_lerobot_name(n): p for n, p in model.named_parameters()}
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "lm_head" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"lerobot load: missing {missing[:5]} unexpected {unexpected[:5]}")
+    return policy.eval()
+
+
+def lerobot_sample(policy, inputs, noise):
+    imgs = [inputs.images[:, i] for i in range(CAMERAS)]
+    masks = [inputs.image_masks[:, i] for i in range(CAMERAS)]
+    with torch.no_grad():
+        return policy.model.sample_actions(imgs, masks, inputs.tokens, inputs.token_mask, noise=noise)
+
+
+def golden_check(golden: Path) -> dict:
+    """The CPU golden tests, rerun on the GPU: fp32 eager, then the fp32 fast path."""
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs, compare_case
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False,
+                                    fast_path=False)
+    for case_dir in case_dirs(golden):
+        case = GoldenCase.load(case_dir)
+        exact, deltas = compare_case(policy, case)
+        eager_worst = max(deltas.values())
+        policy.enable_fast_path()
+        results = policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
+                                     num_steps=case.meta["num_steps"], rtcs=case.rtcs())
+        policy.engine = None
+        fast = max(float(abs(r.actions - e).max()) for r, e in zip(results, case.tensors["expected.actions"]))
+        out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_cuda_max_delta": eager_worst,
+                              "fast_cuda_actions_max_delta": fast}
+    return out
+
+
+def policy_wall_time(model, engine) -> dict:
+    """Policy.infer at batch 1 with host preprocessing (uint8 images, prompt, tokenizer) included."""
+    import numpy as np
+
+    from vlaserve import Policy
+    from vlaserve.config import PolicyConfig
+    from vlaserve.processing.normalize import Normalization, QuantileNormalizer
+    from vlaserve.processing.prompt import PromptTokenizer
+
+    golden = ROOT / ".golden" / "checkpoint" / "tokenizer" / "tokenizer.json"
+    if not golden.exists():
+        return {"skipped": "no tokenizer carried"}
+    cfg = PolicyConfig(model=model.config, cameras=("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
+                       state_dim=14, action_dim=14)
+    q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
+    policy = Policy(model, cfg, Normalization(q, q, "bench"), PromptTokenizer.from_path(golden),
+                    torch.device("cuda"), torch.bfloat16)
+    policy.engine = engine
+    rng = np.random.default_rng(0)
+    obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cfg.cameras},
+           "state": rng.uniform(-1, 1, 14).astype(np.float32), "task": "pick up the red block"}
+    for _ in range(3):
+        policy.infer(obs, seed=0)
+    walls, gpus = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        r = policy.infer(obs, seed=0)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        gpus.append(r.timings["prefix_ms"] + r.timings["denoise_ms"])
+    return {"wall_p50_ms": statistics.median(walls), "gpu_p50_ms": statistics.median(gpus),
+            "preprocess_p50_ms": statistics.median([policy.infer(obs, seed=0).timings["preprocess_ms"]
+                                                    for _ in range(5)])}
+
+
+def profile_kernels(engine, inputs, noise, calls: int = 3) -> list:
+    """Per-kernel GPU time inside the graph replays of one call (top 30 by total)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.sample(inputs, noise, STEPS, None)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            engine.sample(inputs, noise, STEPS, None)
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if total and e.count:
+            rows.append({"kernel": e.key[:90], "per_call_us": total / calls, "count_per_call": e.count / calls,
+                         "avg_us": total / e.count})
+    rows.sort(key=lambda r: -r["per_call_us"])
+    for r in rows[:30]:
+        log(f"{r['per_call_us']:9.1f} us/call {r['count_per_call']:7.0f}x {r['avg_us']:7.2f} us  {r['kernel']}")
+    return rows[:60]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lerobot", action="store_true", help="also run LeRobot 0.6.1 (needs its wheels)")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--golden", default=str(ROOT / ".golden"))
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "workload": {
+        "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
+        "horizon": HORIZON, "steps": STEPS}}
+    started = time.time()
+
+    def save():
+        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+
+    if Path(args.golden).exists():
+        results["golden_cuda"] = golden_check(Path(args.golden))
+        log("golden on cuda:", json.dumps(results["golden_cuda"]))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    results["ceilings"] = ceilings()
+    log("ceilings:", results["ceilings"])
+    cfg = ModelConfig.full_size()
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
+    log(f"model built ({time.time() - started:.0f}s); params", sum(p.numel() for p in model.parameters()))
+    flops = flops_per_call(model, CAMERAS, TOKENS, HORIZON, STEPS)
+    results["flops"] = flops
+    results["floor_ms_b1"] = math_floor_ms(flops, STEPS, results["ceilings"]["bf16_gemm_tflops"],
+                                           results["ceilings"]["copy_tbps"])
+
+    variants = {
+        "fast_triton_graphs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=True, use_triton=True),
+        "fast_torch_graphs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=True, use_triton=False),
+        "fast_torch_nographs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=False, use_triton=False),
+    }
+    # Peak memory of the default fast path at batch 1: weights + static buffers + graph pools.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    inputs, noise = make_inputs(1, cfg.vlm.vocab_size)
+    variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
+    results["peak_mem_gib_b1_fast"] = torch.cuda.max_memory_allocated() / 2**30
+    log("peak GiB (b1, fast):", results["peak_mem_gib_b1_fast"])
+
+    # fp32 reference: the same weights, upcast exactly.
+    model32 = copy.deepcopy(model).float()
+    timings, accuracy = {}, {}
+    for b in batches:
+        inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
+        ref32 = eager(model32, inputs, noise)
+        ref16 = eager(model, inputs, noise)
+        accuracy[b] = {"eager_bf16_vs_fp32": maxdiff(ref16, ref32)}
+        timings[b] = {"eager_bf16": time_cuda(lambda: eager(model, inputs, noise), warmup=2, iters=5)}
+        for name, engine in variants.items():
+            out, stages = engine.sample(inputs, noise, STEPS, None)
+            accuracy[b][f"{name}_vs_eager_bf16"] = maxdiff(out, ref16)
+            accuracy[b][f"{name}_vs_fp32"] = maxdiff(out, ref32)
+            timings[b][name] = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None))
+            stage_runs = [engine.sample(inputs, noise, STEPS, None)[1] for _ in range(10)]
+            timings[b][name]["prefix_p50_ms"] = statistics.median(s["prefix_ms"] for s in stage_runs)
+            timings[b][name]["denoise_p50_ms"] = statistics.median(s["denoise_ms"] for s in stage_runs)
+        # Bit-reproducibility of the default path.
+        a1, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
+        a2, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
+        accuracy[b]["fast_repeat_bit_identical"] = bool(torch.equal(a1, a2))
+        log(f"b={b}:", json.dumps({k: round(v["p50_ms"], 2) for k, v in timings[b].items()}),
+            json.dumps(accuracy[b]))
+        results["timings"], results["accuracy"] = timings, accuracy
+        save()
+
+    # Stage split of the default path at batch 1: vision alone, in its own graph.
+    inputs, _ = make_inputs(1, cfg.vlm.vocab_size)
+    fast = variants["fast_triton_graphs"].fast
+    g = torch.cuda.CUDAGraph()
+    flat = inputs.images.flatten(0, 1)
+    with torch.no_grad():
+        fast.vision(flat)
+        with torch.cuda.graph(g):
+            fast.vision(flat)
+    results["vision_b1_ms"] = time_cuda(g.replay)["p50_ms"]
+    t1 = timings[1]["fast_triton_graphs"]
+    prefix_tflops = (flops["vision_flop"] + flops["prefix_flop"]) / (t1["prefix_p50_ms"] * 1e-3) / 1e12
+    expert_tbps = flops["expert_weight_bytes_per_step"] * STEPS / (t1["denoise_p50_ms"] * 1e-3) / 1e12
+    results["achieved_b1"] = {"prefix_tflops": prefix_tflops, "expert_weight_tbps": expert_tbps}
+    results["profile_b1"] = profile_kernels(variants["fast_triton_graphs"], inputs, make_inputs(1, 10)[1])
+    results["policy_b1"] = policy_wall_time(model, variants["fast_triton_graphs"])
+    log("policy b1:", results["policy_b1"])
+    save()
+
+    if args.lerobot:
+        del variants["fast_torch_nographs"]
+        torch.cuda.empty_cache()
+        lr16 = build_lerobot(model, "bfloat16")
+        lr32 = build_lerobot(model32, "float32")
+        results["lerobot"] = {}
+        for b in batches:
+            inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
+            t = time_cuda(lambda: lerobot_sample(lr16, inputs, noise), warmup=2, iters=5)
+            entry = {"eager_bf16": t}
+            if b == 1:
+                o16, o32 = lerobot_sample(lr16, inputs, noise), lerobot_sample(lr32, inputs, noise)
+                ours32 = eager(model32, inputs, noise)
+                ours_fast, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
+                entry.update({"lerobot_bf16_vs_fp32": maxdiff(o16, o32), "ours_fp32_vs_lerobot_fp32": maxdiff(ours32, o32),
+                              "ours_fast_vs_lerobot_bf16": maxdiff(ours_fast, o16),
+                              "ours_fast_vs_fp32": maxdiff(ours_fast, ours32)})
+            entry["speedup_fast"] = t["p50_ms"] / timings[b]["fast_triton_graphs"]["p50_ms"]
+            results["lerobot"][b] = entry
+            log(f"lerobot b={b}:", json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                                for k, v in entry.items() if k != "eager_bf16"}),
+                "p50", round(t["p50_ms"], 1))
+            save()
+
+    results["total_p50_ms"] = {b: timings[b]["fast_triton_graphs"]["p50_ms"] for b in batches}
+    results["elapsed_s"] = time.time() - started
+    save()
+    plot(results, args.out)
+    print_table(results)
+
+
+def plot(results, out):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    batches = sorted(results["timings"], key=int)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(results["timings"][batches[0]])
+    for name in names:
+        ax.plot(batches, [results["timings"][b][name]["p50_ms"] for b in batches], marker="o", label=name)
+    if "lerobot" in results:
+        ax.plot(batches, [results["lerobot"][b]["eager_bf16"]["p50_ms"] for b in batches], marker="s",
+                label="lerobot 0.6.1 eager bf16")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("GPU time per call, p50 (ms)")
+    ax.set_title(f"Pi0.5 ALOHA-3 on {results['gpu']}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    for d in filter(None, [ROOT / "bench" / "results", Path(out) if out else None]):
+        fig.savefig(d / "bench_gpu.png", dpi=120, bbox_inches="tight")
+
+
+def print_table(results):
+    log("\n| batch | " + " | ".join(results["timings"][next(iter(results["timings"]))]) + " | lerobot |")
+    for b, row in results["timings"].items():
+        lr = results.get("lerobot", {}).get(b, {}).get("eager_bf16", {}).get("p50_ms", float("nan"))
+        log(f"| {b} | " + " | ".join(f"{v['p50_ms']:.2f}" for v in row.values()) + f" | {lr:.1f} |")
+    log("floor b1 ms:", round(results["floor_ms_b1"], 2), "achieved:", results.get("achieved_b1"),
+        "vision b1 ms:", round(results.get("vision_b1_ms", 0), 3), "peak GiB:", round(results["peak_mem_gib_b1_fast"], 2))
+
+
+if __name__ == "__main__":
+    main()

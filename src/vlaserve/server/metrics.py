@@ -1,0 +1,36 @@
+"""Prometheus metrics, in a registry of their own (one per app, so tests can run several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "postprocess", "encode")
+# From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
+_SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, max_batch_size: int):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("vlaserve_requests", "Requests (websocket: messages) by route and status code",
+                                ["route", "status"], registry=self.registry)
+        self.errors = Counter("vlaserve_errors", "Failed requests by route and error type",
+                              ["route", "type"], registry=self.registry)
+        self.latency = Histogram("vlaserve_request_seconds", "Time from request received to response encoded",
+                                 ["route"], buckets=_SECONDS, registry=self.registry)
+        self.stages = Histogram("vlaserve_stage_seconds", "Time per serving stage", ["stage"],
+                                buckets=_SECONDS, registry=self.registry)
+        self.batch_size = Histogram("vlaserve_batch_size", "Observations per inference batch",
+                                    buckets=tuple(range(1, max_batch_size + 1)), registry=self.registry)
+        self.in_flight = Gauge("vlaserve_inferences_in_flight", "Observations queued or running",
+                               registry=self.registry)
+        self.hints = Counter("vlaserve_runtime_hints", "Requests that enabled a runtime hint (GPU engine only)",
+                             ["hint"], registry=self.registry)
+
+    def observe_stages(self, timings_ms: dict[str, float]) -> None:
+        for stage in STAGES:
+            if f"{stage}_ms" in timings_ms:
+                self.stages.labels(stage).observe(timings_ms[f"{stage}_ms"] / 1000.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,154 @@
+"""What every route shares: the policy, its batcher, settings and metrics, and the steps common to
+all protocols (authorize, validate, infer, time)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..engine import Batcher, BatcherClosed
+from ..errors import InvalidObservation
+from .aliases import camera_aliases
+from .metrics import Metrics
+from .schema import MAX_INFERENCE_STEPS, ApiError, Generation, invalid_observation, parse_generation
+
+log = logging.getLogger(__name__)
+
+MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "postprocess_ms")
+ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None
+    max_payload_bytes: int = 64 * 2**20
+    max_batch_size: int = 8
+    batch_delay_ms: float = 2.0
+    camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
+
+
+def ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+def policy_timing(model_timings: Mapping[str, float]) -> dict[str, float]:
+    """OpenPI's `policy_timing`: model time (`infer_ms`) and its stages."""
+    stages = {k: float(model_timings[k]) for k in MODEL_STAGES if k in model_timings}
+    return {"infer_ms": sum(stages.values()), **stages}
+
+
+class Service:
+    def __init__(self, policy, settings: ServerSettings):
+        self.policy = policy
+        self.settings = settings
+        self.metadata = policy.metadata  # computed once: it walks the model to count parameters
+        self.metrics = Metrics(settings.max_batch_size)
+        self.batcher: Batcher | None = None
+
+    def start(self) -> None:
+        self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
+                               on_batch=self.metrics.batch_size.observe)
+
+    def stop(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+
+    def authorized(self, headers: Mapping[str, str]) -> bool:
+        """`Authorization: Bearer KEY`, `X-API-Key: KEY`, or openpi-client's `Authorization: Api-Key KEY`."""
+        key = self.settings.api_key
+        if key is None:
+            return True
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        offered = [headers.get("x-api-key", "")]
+        if scheme.lower() in ("bearer", "api-key"):
+            offered.append(token.strip())
+        return any(hmac.compare_digest(o.encode(), key.encode()) for o in offered if o)
+
+    def require_auth(self, headers: Mapping[str, str]) -> None:
+        if not self.authorized(headers):
+            raise ApiError(401, "unauthorized", "missing or wrong API key "
+                                                "(send 'Authorization: Bearer KEY' or 'X-API-Key: KEY')")
+
+    def public_metadata(self) -> dict:
+        m = self.metadata
+        return {
+            "object": "model.metadata",
+            **m,
+            "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
+                         "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
+            "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
+                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms},
+            "protocols": {
+                "http": {"path": ROUTES["http"], "content_types": ["application/json", "application/msgpack"]},
+                "realtime": {"path": ROUTES["realtime"], "encoding": "msgpack"},
+                "openpi": {"path": ROUTES["openpi"], "also_at": "/", "encoding": "msgpack-numpy"},
+            },
+            "camera_aliases": self.settings.camera_aliases,
+        }
+
+    async def check(self, observation: dict, in_request_body: bool) -> None:
+        # check_observation does the full host preprocessing, so it runs off the event loop.
+        try:
+            await asyncio.to_thread(self.policy.check_observation, observation)
+        except InvalidObservation as e:
+            raise invalid_observation(e, in_request_body) from None
+
+    async def infer(self, observation: dict, noise=None, seed=None, num_steps=None, rtc=None):
+        try:
+            with self.metrics.in_flight.track_inprogress():
+                return await self.batcher.submit(observation, noise, seed, num_steps, rtc)
+        except BatcherClosed as e:
+            raise ApiError(503, "shutting_down", str(e)) from None
+        except InvalidObservation as e:
+            raise invalid_observation(e) from None
+        except Exception:
+            log.exception("inference failed")
+            raise ApiError(500, "internal_error", "inference failed; see the server log") from None
+
+    async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:
+        """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
+        the timings so far (decode, queue, model stages, infer = queue + model)."""
+        generation = parse_generation(body, self.metadata, self.settings.camera_aliases, msgpack_response)
+        await self.check(generation.observation, in_request_body=True)
+        for hint, enabled in generation.hints.items():
+            if enabled:
+                self.metrics.hints.labels(hint).inc()
+        timings = {"decode_ms": ms_since(started)}
+        submitted = time.perf_counter()
+        result = await self.infer(generation.observation, generation.noise, generation.seed,
+                                  generation.num_steps, generation.rtc)
+        timings["infer_ms"] = ms_since(submitted)
+        timings["queue_ms"] = result.timings["queue_ms"]
+        timings.update({k: result.timings[k] for k in MODEL_STAGES if k in result.timings})
+        return generation, result, timings
+
+    def reply(self, generation: Generation, result, timings: dict, started: float) -> dict:
+        """The response body. `encode_ms` covers converting the actions to their wire form; the final
+        serialization of the body follows the timings it contains, so it can't be in them."""
+        encode_start = time.perf_counter()
+        actions = result.actions
+        values = actions if generation.output_format == "numpy" else actions.tolist()
+        timings["encode_ms"] = ms_since(encode_start)
+        timings["total_ms"] = ms_since(started)
+        self.metrics.observe_stages(timings)
+        if generation.response_format == "raw":
+            server = {k: timings[k] for k in ("infer_ms", "decode_ms", "queue_ms", "encode_ms", "total_ms")}
+            return {"actions": values, "server_timing": server, "policy_timing": policy_timing(result.timings)}
+        body = {
+            "id": f"actgen-{uuid.uuid4().hex}",
+            "object": "action.generation",
+            "created": int(time.time()),
+            "model": self.metadata["model"],
+            "data": [{"index": 0, "action": {"values": values, "shape": list(actions.shape),
+                                             "dtype": str(actions.dtype)}}],
+        }
+        if generation.return_timing:
+            body["timings"] = {k: timings[k] for k in
+                               ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "infer_ms", "total_ms")
+                               if k in timings}
+        return body
