@@ -177,6 +177,75 @@ def policy_wall_time(model, engine) -> dict:
                                                     for _ in range(5)])}
 
 
+def tune_expert_kernels(model) -> dict:
+    """Sweeps the expert-step kernels' launch configs at the batch-1 shapes (graph-timed) and
+    keeps the fastest in kernels.TUNING for the rest of the run."""
+    import itertools
+
+    import triton.testing
+
+    from vlaserve.engine import kernels
+
+    e = model.expert.dims
+    r, w, mlp, d = HORIZON, e.width, e.mlp_dim, e.head_dim
+    hq = e.num_heads
+    dev, bf = "cuda", torch.bfloat16
+    x_w = torch.randn(r, w, device=dev, dtype=bf)
+    x_attn = torch.randn(r, hq * d, device=dev, dtype=bf)
+    x_act = torch.randn(r, mlp, device=dev, dtype=bf)
+    h = torch.randn(r, w, device=dev, dtype=bf)
+    lyr = model.expert.layers[0]
+    w_qkv = torch.cat([lyr.self_attn.q_proj.weight, lyr.self_attn.k_proj.weight, lyr.self_attn.v_proj.weight])
+    w_gu = torch.cat([lyr.mlp.gate_proj.weight, lyr.mlp.up_proj.weight])
+    gate, ones, zeros = torch.ones(w, device=dev, dtype=bf), torch.ones(w, device=dev), torch.zeros(w, device=dev)
+    cos, sin = torch.rand(r, d // 2, device=dev), torch.rand(r, d // 2, device=dev)
+    t = 1024
+    kc, vc = torch.randn(1, t, d, device=dev, dtype=bf), torch.randn(1, t, d, device=dev, dtype=bf)
+    bias = torch.zeros(1, t, device=dev)
+    bias[:, 900:] = -2.3819763e38
+    q = torch.randn(1, hq * r, d, device=dev, dtype=bf)
+
+    def bench(fn):
+        fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=30)
+
+    families = {
+        "splitk": ([{"block_n": bn, "block_k": bk, "max_waves": mw, "warps": 4, "stages": st}
+                    for bn, bk, mw, st in itertools.product((32, 64), (128, 256), (1, 2, 4), (3,))],
+                   lambda: (kernels.linear_residual_norm(x_attn, lyr.self_attn.o_proj.weight, h, gate, ones, zeros, 1e-6),
+                            kernels.linear_residual_norm(x_act, lyr.mlp.down_proj.weight, h, gate, ones, zeros, 1e-6))),
+        "geglu": ([{"block_n": bn, "block_k": bk, "warps": 4, "stages": st}
+                   for bn, bk, st in itertools.product((16, 32), (64, 128, 256), (3, 4))],
+                  lambda: kernels.geglu_linear(x_w, w_gu)),
+        "qkv": ([{"block_n": bn, "block_k": bk, "warps": wp, "stages": 3}
+                 for bn, bk, wp in itertools.product((16, 32), (64, 128, 256), (4, 8))],
+                lambda: kernels.qkv_rope_into_cache(x_w, cos, sin, kc[:, :r], vc[:, :r], hq, r, w_qkv=w_qkv)),
+        "attention": ([{"block_m": bm, "splits": sp, "block_t": bt, "warps": wp, "stages": 2}
+                       for bm, sp, bt, wp in [(16, 8, 64, 4), (16, 16, 64, 4), (32, 4, 64, 8), (32, 8, 64, 4),
+                                              (32, 8, 64, 8), (32, 16, 64, 4), (64, 8, 64, 8), (64, 16, 64, 8),
+                                              (64, 4, 128, 8), (128, 8, 64, 8)]],
+                      lambda: kernels.mqa_attention(q, kc, vc, bias, hq, r)),
+    }
+    report = {}
+    for name, (configs, fn) in families.items():
+        default = dict(kernels.TUNING[name])
+        timed = []
+        for cfg in configs:
+            kernels.TUNING[name] = cfg
+            try:
+                timed.append((bench(fn) * 1e3, cfg))
+            except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
+                log(f"tune {name} {cfg}: {type(exc).__name__}")
+        kernels.TUNING[name] = default
+        default_us = bench(fn) * 1e3
+        best_us, best = min(timed, key=lambda tc: tc[0])
+        kernels.TUNING[name] = best if best_us < default_us else default
+        report[name] = {"default_us": default_us, "best_us": best_us, "best": best,
+                        "all": [{"us": us, **cfg} for us, cfg in sorted(timed, key=lambda tc: tc[0])]}
+        log(f"tune {name}: default {default_us:.2f} us -> best {best_us:.2f} us {best}")
+    return report
+
+
 def profile_kernels(engine, inputs, noise, calls: int = 3) -> list:
     """Per-kernel GPU time inside the graph replays of one call (top 30 by total)."""
     from torch.profiler import ProfilerActivity, profile
@@ -203,6 +272,7 @@ def main():
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--golden", default=str(ROOT / ".golden"))
+    ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "workload": {
@@ -226,6 +296,9 @@ def main():
     cfg = ModelConfig.full_size()
     model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
     log(f"model built ({time.time() - started:.0f}s); params", sum(p.numel() for p in model.parameters()))
+    if args.tune:
+        results["tuning"] = tune_expert_kernels(model)
+        save()
     flops = flops_per_call(model, CAMERAS, TOKENS, HORIZON, STEPS)
     results["flops"] = flops
     results["floor_ms_b1"] = math_floor_ms(flops, STEPS, results["ceilings"]["bf16_gemm_tflops"],

@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("vlaserve")
@@ -131,8 +132,10 @@ def serve_command(cli: dict) -> int:
 
     try:
         checkpoint = options["checkpoint"] or demo_checkpoint()
+        load_started = time.perf_counter()
         policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
                                         tokenizer=options["tokenizer"])
+        load_seconds = time.perf_counter() - load_started
         aliases = camera_aliases(options["camera_aliases"])
     except (VlaserveError, ValueError, OSError) as e:
         log.error("%s", e)
@@ -143,7 +146,7 @@ def serve_command(cli: dict) -> int:
                               max_batch_size=options["max_batch_size"], batch_delay_ms=options["batch_delay_ms"],
                               camera_aliases=aliases)
     app = create_app(policy, settings)
-    log_startup(policy, options)
+    log_startup(policy, options, load_seconds)
     server = uvicorn.Server(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_config=None, access_log=False,
         ws_max_size=max_payload_bytes, timeout_graceful_shutdown=None))
@@ -161,7 +164,7 @@ def serve_command(cli: dict) -> int:
     return 0 if server.started else 1
 
 
-def log_startup(policy, options: dict) -> None:
+def log_startup(policy, options: dict, load_seconds: float) -> None:
     m = policy.metadata
     host = f"[{options['host']}]" if ":" in options["host"] else options["host"]
     if m["is_demo"]:
@@ -172,7 +175,7 @@ def log_startup(policy, options: dict) -> None:
     counts = ", ".join(f"{n:,} {dtype}" for dtype, n in m["parameter_counts"].items())
     log.info("model %s%s from %s", m["model"], " (DEMO)" if m["is_demo"] else "", m["checkpoint"])
     log.info("dtype %s, device %s, parameters: %s; loaded in %.2f s", m["dtype"], m["device"], counts,
-             policy.load_seconds)
+             load_seconds)
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
     log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s",

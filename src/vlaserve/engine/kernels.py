@@ -124,6 +124,47 @@ if triton is not None:
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
+                       k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
+        # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
+        pid = tl.program_id(0)
+        per_head = HALF // BLOCK_N
+        slot, j = pid // per_head, pid % per_head
+        d = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = slot * 2 * HALF + d
+        rows = tl.arange(0, BLOCK_R)
+        acc_lo = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
+            w_lo = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
+            w_hi = tl.load(w_ptr + (cols[:, None] + HALF) * stride_w + ks[None, :])
+            acc_lo += tl.dot(x, tl.trans(w_lo))
+            acc_hi += tl.dot(x, tl.trans(w_hi))
+        dt = q_ptr.dtype.element_ty
+        lo = acc_lo.to(dt).to(tl.float32)
+        hi = acc_hi.to(dt).to(tl.float32)
+        b, tok = rows // H, rows % H
+        live = rows[:, None] < R
+        if slot <= HQ:  # q heads and k rotate; v does not
+            c = tl.load(cos_ptr + rows[:, None] * HALF + d[None, :], mask=live, other=0.0)
+            s_ = tl.load(sin_ptr + rows[:, None] * HALF + d[None, :], mask=live, other=0.0)
+            new_lo = (lo * c).to(dt).to(tl.float32) - (hi * s_).to(dt).to(tl.float32)
+            hi = (hi * c).to(dt).to(tl.float32) + (lo * s_).to(dt).to(tl.float32)
+            lo = new_lo
+        if slot < HQ:
+            base = q_ptr + b[:, None] * q_batch_stride + (slot * H + tok[:, None]) * 2 * HALF + d[None, :]
+        elif slot == HQ:
+            base = k_ptr + b[:, None] * k_batch_stride + tok[:, None] * 2 * HALF + d[None, :]
+        else:
+            base = v_ptr + b[:, None] * k_batch_stride + tok[:, None] * 2 * HALF + d[None, :]
+        tl.store(base, lo.to(dt), mask=live)
+        tl.store(base + HALF, hi.to(dt), mask=live)
+
+    @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
                   k_batch_stride, q_batch_stride):
@@ -216,16 +257,26 @@ if triton is not None:
         tl.store(out_ptr + (b * H + tok) * HQ * D + head * D + d, merged.to(out_ptr.dtype.element_ty))
 
 
+# Launch configurations for the expert-step kernels (bench/bench_gpu.py --tune sweeps them).
+TUNING = {
+    "splitk": {"block_n": 64, "block_k": 128, "max_waves": 2, "warps": 4, "stages": 3},
+    "geglu": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3},
+    "qkv": {"block_n": 16, "block_k": 128, "warps": 4, "stages": 3},
+    "attention": {"block_m": 32, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
+}
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
 def gemm_config(rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, splits, BLOCK_K) giving about one to two waves of programs."""
-    block_n, block_k = 64, 128
+    """(BLOCK_N, splits, BLOCK_K): split K until the grid fills about `max_waves` waves."""
+    cfg = TUNING["splitk"]
+    block_n, block_k = cfg["block_n"], cfg["block_k"]
     tiles = (n + block_n - 1) // block_n
     splits = 1
-    while tiles * splits * 2 <= 2 * num_sms and k % (splits * 2 * block_k) == 0:
+    while tiles * splits * 2 <= cfg["max_waves"] * num_sms and k % (splits * 2 * block_k) == 0:
         splits *= 2
     return block_n, splits, block_k
 
@@ -239,7 +290,8 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None
         out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     _splitk_gemm[(triton.cdiv(n, block_n), splits)](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=max(16, _pow2(r)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCK_R=max(16, _pow2(r)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=TUNING["splitk"]["warps"],
+        num_stages=TUNING["splitk"]["stages"])
     return out
 
 
@@ -252,10 +304,11 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
-    block_n = 32
-    _geglu_gemm[(triton.cdiv(m, block_n),)](
+    cfg = TUNING["geglu"]
+    _geglu_gemm[(triton.cdiv(m, cfg["block_n"]),)](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
-        BLOCK_R=max(16, _pow2(r)), BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
+        BLOCK_R=max(16, _pow2(r)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["warps"],
+        num_stages=cfg["stages"])
     return out
 
 
@@ -304,34 +357,45 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]
-    source = splitk_partials(qkv, w_qkv) if w_qkv is not None else qkv
-    splits = source.shape[0] if source.dim() == 3 else 1
     b = r // tokens
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
-    _qkv_rope[(r,)](source, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=splits,
+    if w_qkv is not None:
+        cfg = TUNING["qkv"]
+        grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]),)
+        _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
+                             w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
+                             BLOCK_R=max(16, _pow2(r)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                             num_warps=cfg["warps"], num_stages=cfg["stages"])
+        return q
+    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
                     q_batch_stride=q.stride(0), num_warps=4)
     return q
 
 
-def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, splits: int = 4) -> torch.Tensor:
+def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, splits: int | None = None) -> torch.Tensor:
     """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D], bias [B, T] fp32
-    -> [B, tokens, num_heads * D] (token-major, ready for o_proj)."""
+    -> [B, tokens, num_heads * D] (token-major, ready for o_proj). splits=None: the tuned
+    key split for short query sets (the expert); 1 for long ones (the prefix)."""
     b, nq, d = q.shape
     t = k_cache.shape[1]
-    block_m, block_t = (32, 64) if splits > 1 else (64, 64)
+    cfg = TUNING["attention"]
+    if splits is None:
+        splits, block_m, block_t, warps, stages = cfg["splits"], cfg["block_m"], cfg["block_t"], cfg["warps"], cfg["stages"]
+    else:
+        block_m, block_t, warps, stages = 64, 64, 8, 2
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
     if splits == 1:
         _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5, q.stride(0),
                          k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t, D=d,
-                         DIRECT=True, num_warps=8, num_stages=2)
+                         DIRECT=True, num_warps=warps, num_stages=stages)
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
     _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5, q.stride(0),
                      k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t, D=d,
-                     DIRECT=False, num_warps=8, num_stages=2)
+                     DIRECT=False, num_warps=warps, num_stages=stages)
     _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, num_warps=4)
     return out

@@ -1,0 +1,118 @@
+"""The Batcher in front of the real golden Policy (float32, CPU), without a server.
+
+A gate holds the worker inside its first batch while more requests queue up, so the batches that
+follow are formed from a known queue rather than from timing luck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from vlaserve.engine import Batcher, BatcherClosed
+
+# Batched vs single inference of the same inputs differ only in float32 reduction order
+# (measured up to 7e-7 on these actions); 1e-4 is 10x below the smallest bug-sized change (1.2e-3).
+ATOL = 1e-4
+
+
+def observation(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"images": {"base_0_rgb": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)},
+            "state": rng.normal(size=14).astype(np.float32), "task": f"task {seed}"}
+
+
+class GatedPolicy:
+    """Delegates to the real policy; records each batch; the first batch waits for `gate`;
+    batches containing a task listed in `fail_on` raise."""
+
+    def __init__(self, policy, fail_on=()):
+        self.policy = policy
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[tuple[list[str], int | None]] = []
+        self.fail_on = set(fail_on)
+
+    def infer_batch(self, observations, noise=None, seeds=None, num_steps=None, rtcs=None):
+        tasks = [o["task"] for o in observations]
+        self.batches.append((tasks, num_steps))
+        if len(self.batches) == 1:
+            self.entered.set()
+            self.gate.wait()
+        if self.fail_on & set(tasks):
+            raise RuntimeError("injected failure")
+        return self.policy.infer_batch(observations, noise=noise, seeds=seeds, num_steps=num_steps, rtcs=rtcs)
+
+
+async def _submit_while_gated(batcher: Batcher, gated: GatedPolicy, requests: list[dict]):
+    """Submits requests[0], waits until the worker holds it, queues the rest, opens the gate."""
+    loop = asyncio.get_running_loop()
+    first = asyncio.ensure_future(batcher.submit(**requests[0]))
+    await loop.run_in_executor(None, gated.entered.wait)
+    rest = [asyncio.ensure_future(batcher.submit(**r)) for r in requests[1:]]
+    await asyncio.sleep(0.05)  # let every submit reach the queue
+    gated.gate.set()
+    return await asyncio.gather(first, *rest, return_exceptions=True)
+
+
+def test_batches_group_equal_steps_respect_the_size_limit_and_match_single_inference(golden_policy):
+    gated = GatedPolicy(golden_policy)
+    sizes = []
+    batcher = Batcher(gated, max_batch_size=3, batch_delay_ms=1.0, on_batch=sizes.append)
+    steps = [1, 2, 1, 2, 1, 1, 2, 1]
+    requests = [{"obs": observation(i), "seed": i, "num_steps": s} for i, s in enumerate(steps)]
+    try:
+        results = asyncio.run(_submit_while_gated(batcher, gated, requests))
+    finally:
+        batcher.close()
+
+    for request, result in zip(requests, results):
+        expected = golden_policy.infer(request["obs"], seed=request["seed"], num_steps=request["num_steps"])
+        np.testing.assert_allclose(result.actions, expected.actions, rtol=0, atol=ATOL)
+        assert result.timings["queue_ms"] >= 0
+    by_task = {r["obs"]["task"]: r["num_steps"] for r in requests}
+    for tasks, num_steps in gated.batches:
+        assert {by_task[t] for t in tasks} == {num_steps}  # one step count per batch
+    assert sizes == [len(tasks) for tasks, _ in gated.batches]
+    assert max(sizes) == 3 and sum(sizes) == len(requests)
+    # After the gated single: 4 more 1-step requests (3 + 1) and 3 2-step ones (3).
+    assert sorted(sizes[1:]) == [1, 3, 3]
+
+
+def test_a_failing_batch_fails_all_its_requests_and_the_worker_survives(golden_policy):
+    gated = GatedPolicy(golden_policy, fail_on={"task 2"})
+    batcher = Batcher(gated, max_batch_size=8, batch_delay_ms=1.0)
+    requests = [{"obs": observation(i), "seed": i, "num_steps": 1} for i in range(4)]
+    try:
+        results = asyncio.run(_submit_while_gated(batcher, gated, requests))
+        assert not isinstance(results[0], Exception)
+        assert [str(r) for r in results[1:]] == ["injected failure"] * 3  # tasks 1-3 shared the failing batch
+        after = asyncio.run(batcher.submit(observation(9), seed=9, num_steps=1))
+        assert after.actions.shape == (50, 14)
+    finally:
+        batcher.close()
+
+
+def test_close_drains_queued_requests_then_refuses_new_ones(golden_policy):
+    gated = GatedPolicy(golden_policy)
+    batcher = Batcher(gated, max_batch_size=2, batch_delay_ms=1.0)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        futures = [asyncio.ensure_future(batcher.submit(observation(i), seed=i, num_steps=1)) for i in range(5)]
+        await loop.run_in_executor(None, gated.entered.wait)
+        await asyncio.sleep(0.05)
+        closing = loop.run_in_executor(None, batcher.close)  # blocks until drained
+        await asyncio.sleep(0.05)
+        with pytest.raises(BatcherClosed):
+            await batcher.submit(observation(9))
+        gated.gate.set()
+        await closing
+        return await asyncio.gather(*futures)
+
+    results = asyncio.run(scenario())
+    assert len(results) == 5 and all(r.actions.shape == (50, 14) for r in results)
+    assert sum(len(tasks) for tasks, _ in gated.batches) == 5
