@@ -194,37 +194,44 @@ def tune_expert_kernels(model) -> dict:
     x_attn = torch.randn(r, hq * d, device=dev, dtype=bf)
     x_act = torch.randn(r, mlp, device=dev, dtype=bf)
     h = torch.randn(r, w, device=dev, dtype=bf)
-    lyr = model.expert.layers[0]
-    w_qkv = torch.cat([lyr.self_attn.q_proj.weight, lyr.self_attn.k_proj.weight, lyr.self_attn.v_proj.weight])
-    w_gu = torch.cat([lyr.mlp.gate_proj.weight, lyr.mlp.up_proj.weight])
+    # Every layer's weights in turn, as in a real step: a single layer's would sit in L2.
+    layers = model.expert.layers
+    w_qkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in layers]
+    w_gu = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in layers]
+    w_o = [l.self_attn.o_proj.weight for l in layers]
+    w_down = [l.mlp.down_proj.weight for l in layers]
     gate, ones, zeros = torch.ones(w, device=dev, dtype=bf), torch.ones(w, device=dev), torch.zeros(w, device=dev)
     cos, sin = torch.rand(r, d // 2, device=dev), torch.rand(r, d // 2, device=dev)
     t = 1024
-    kc, vc = torch.randn(1, t, d, device=dev, dtype=bf), torch.randn(1, t, d, device=dev, dtype=bf)
+    kc = [torch.randn(1, t, d, device=dev, dtype=bf) for _ in layers]
+    vc = [torch.randn(1, t, d, device=dev, dtype=bf) for _ in layers]
     bias = torch.zeros(1, t, device=dev)
     bias[:, 900:] = -2.3819763e38
     q = torch.randn(1, hq * r, d, device=dev, dtype=bf)
+    n_layers = len(layers)
 
     def bench(fn):
         fn()
-        return triton.testing.do_bench_cudagraph(fn, rep=30)
+        return triton.testing.do_bench_cudagraph(fn, rep=30) / n_layers
 
     families = {
         "splitk": ([{"block_n": bn, "block_k": bk, "max_waves": mw, "warps": 4, "stages": st}
-                    for bn, bk, mw, st in itertools.product((32, 64), (128, 256), (1, 2, 4), (3,))],
-                   lambda: (kernels.linear_residual_norm(x_attn, lyr.self_attn.o_proj.weight, h, gate, ones, zeros, 1e-6),
-                            kernels.linear_residual_norm(x_act, lyr.mlp.down_proj.weight, h, gate, ones, zeros, 1e-6))),
+                    for bn, bk, mw, st in itertools.product((32, 64), (128, 256), (1, 2, 4), (3, 4))],
+                   lambda: [(kernels.linear_residual_norm(x_attn, wo, h, gate, ones, zeros, 1e-6),
+                             kernels.linear_residual_norm(x_act, wd, h, gate, ones, zeros, 1e-6))
+                            for wo, wd in zip(w_o, w_down)]),
         "geglu": ([{"block_n": bn, "block_k": bk, "warps": 4, "stages": st}
-                   for bn, bk, st in itertools.product((16, 32), (64, 128, 256), (3, 4))],
-                  lambda: kernels.geglu_linear(x_w, w_gu)),
-        "qkv": ([{"block_n": bn, "block_k": bk, "warps": wp, "stages": 3}
-                 for bn, bk, wp in itertools.product((16, 32), (64, 128, 256), (4, 8))],
-                lambda: kernels.qkv_rope_into_cache(x_w, cos, sin, kc[:, :r], vc[:, :r], hq, r, w_qkv=w_qkv)),
+                   for bn, bk, st in itertools.product((16, 32), (64, 128, 256), (3, 4, 5))],
+                  lambda: [kernels.geglu_linear(x_w, wgu) for wgu in w_gu]),
+        "qkv": ([{"block_n": bn, "block_k": bk, "warps": wp, "stages": st}
+                 for bn, bk, wp, st in itertools.product((16, 32), (64, 128, 256), (4,), (3, 4, 5))],
+                lambda: [kernels.qkv_rope_into_cache(x_w, cos, sin, k[:, :r], v[:, :r], hq, r, w_qkv=wq)
+                         for wq, k, v in zip(w_qkv, kc, vc)]),
         "attention": ([{"block_m": bm, "splits": sp, "block_t": bt, "warps": wp, "stages": 2}
                        for bm, sp, bt, wp in [(16, 8, 64, 4), (16, 16, 64, 4), (32, 4, 64, 8), (32, 8, 64, 4),
                                               (32, 8, 64, 8), (32, 16, 64, 4), (64, 8, 64, 8), (64, 16, 64, 8),
                                               (64, 4, 128, 8), (128, 8, 64, 8)]],
-                      lambda: kernels.mqa_attention(q, kc, vc, bias, hq, r)),
+                      lambda: [kernels.mqa_attention(q, k, v, bias, hq, r) for k, v in zip(kc, vc)]),
     }
     report = {}
     for name, (configs, fn) in families.items():

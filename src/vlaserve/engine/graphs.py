@@ -96,7 +96,8 @@ class FastPi05:
         self.w = FusedWeights(model)
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
         self.dtype = model.vlm.dtype
-        self.use_triton = use_triton and kernels.available()
+        # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
+        self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
 
     def schedule(self, num_steps: int) -> TimeSchedule:
@@ -218,7 +219,7 @@ class FastPi05:
         m, dims = self.model, self.expert_dims
         b, horizon, _ = x.shape
         h = F.linear(x, m.action_in_proj.weight, m.action_in_proj.bias).to(self.dtype)
-        if self.use_triton and kernels.supported(b * horizon, dims.width):
+        if self.use_triton and kernels.supported(dims):
             out = self._expert_triton(h, step, sched, geometry, k_cache, v_cache, plen)
         else:
             out = self._expert_torch(h, step, sched, geometry, k_cache, v_cache, plen)

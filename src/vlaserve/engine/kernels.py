@@ -32,7 +32,7 @@ if triton is not None:
     def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rows = tl.arange(0, BLOCK_R)
+        rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
@@ -47,7 +47,7 @@ if triton is not None:
     def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_R)
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc_g = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -134,7 +134,7 @@ if triton is not None:
         slot, j = pid // per_head, pid % per_head
         d = j * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = slot * 2 * HALF + d
-        rows = tl.arange(0, BLOCK_R)
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc_lo = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_hi = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -258,16 +258,24 @@ if triton is not None:
 
 
 # Launch configurations for the expert-step kernels (bench/bench_gpu.py --tune sweeps them).
+# Defaults: the winners of that sweep on an H200 (docs/benchmarks.md), timed with every layer's
+# weights in turn so that they stream from HBM as in a real step.
 TUNING = {
-    "splitk": {"block_n": 64, "block_k": 128, "max_waves": 2, "warps": 4, "stages": 3},
-    "geglu": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3},
-    "qkv": {"block_n": 16, "block_k": 128, "warps": 4, "stages": 3},
-    "attention": {"block_m": 32, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
+    "splitk": {"block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
+    "geglu": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
+    "qkv": {"block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
+    "attention": {"block_m": 32, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
 }
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _row_block(rows: int) -> int:
+    """Rows per program: all of them up to 64 (batch 1), else tiles of 64, the size the launch
+    configs were tuned (and their shared memory sized) for."""
+    return max(16, _pow2(min(rows, 64)))
 
 
 def gemm_config(rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
@@ -288,15 +296,19 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None
     block_n, splits, block_k = gemm_config(r, n, k)
     if out is None:
         out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
-    _splitk_gemm[(triton.cdiv(n, block_n), splits)](
+    block_r = _row_block(r)
+    _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=max(16, _pow2(r)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=TUNING["splitk"]["warps"],
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=TUNING["splitk"]["warps"],
         num_stages=TUNING["splitk"]["stages"])
     return out
 
 
-def supported(rows: int, k: int) -> bool:
-    return available() and rows <= 128 and k % 128 == 0
+def supported(dims) -> bool:
+    """The expert kernels tile K by up to 256 and norm power-of-two rows (Gemma dims)."""
+    inner = (dims.width, dims.mlp_dim, dims.num_heads * dims.head_dim)
+    return (available() and all(k % 256 == 0 for k in inner) and dims.width & (dims.width - 1) == 0
+            and dims.head_dim % 32 == 0)
 
 
 def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -305,9 +317,10 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
     cfg = TUNING["geglu"]
-    _geglu_gemm[(triton.cdiv(m, cfg["block_n"]),)](
+    block_r = _row_block(r)
+    _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
-        BLOCK_R=max(16, _pow2(r)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["warps"],
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["warps"],
         num_stages=cfg["stages"])
     return out
 
@@ -361,10 +374,11 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
     if w_qkv is not None:
         cfg = TUNING["qkv"]
-        grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]),)
+        block_r = _row_block(r)
+        grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
-                             BLOCK_R=max(16, _pow2(r)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
                              num_warps=cfg["warps"], num_stages=cfg["stages"])
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
