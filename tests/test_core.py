@@ -255,3 +255,43 @@ def test_missing_checkpoint_and_hub_ids_fail_clearly(tmp_path):
         Policy.from_pretrained(tmp_path / "nope", device="cpu")
     with pytest.raises(CheckpointError, match="config.json is missing"):
         Policy.from_pretrained(tmp_path, device="cpu")
+
+
+# ---- speed options (exact by construction; the eager path proves it on the CPU) ---------------
+def test_prefix_cache_hit_equals_miss_bit_for_bit(golden):
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    policy.enable_prefix_cache(max_entries=2)
+    obs, noise = observation(20), np.random.default_rng(20).normal(size=(50, 32)).astype(np.float32)
+    miss = policy.infer(obs, noise=noise)
+    assert policy.prefix_cache.stats()["misses"] == 1 and len(policy.prefix_cache) == 1
+    hit = policy.infer(obs, noise=noise)
+    assert policy.prefix_cache.stats()["hits"] == 1
+    assert np.array_equal(miss.actions, hit.actions) and np.array_equal(miss.model_actions, hit.model_actions)
+    # A different state changes the prompt, hence the key: no false hit.
+    other = {**obs, "state": obs["state"] + 0.5}
+    assert not np.array_equal(policy.infer(other, noise=noise).actions, hit.actions)
+    assert policy.prefix_cache.stats()["hits"] == 1
+    # LRU bound: a third distinct prefix evicts the oldest.
+    policy.infer(observation(21), noise=noise)
+    assert len(policy.prefix_cache) == 2
+
+
+def test_prompt_buckets_shrink_the_prefix_and_keep_the_actions(golden):
+    plain = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    bucketed = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    bucketed.set_prompt_buckets([48, 96])
+    obs, noise = observation(22), np.random.default_rng(22).normal(size=(50, 32)).astype(np.float32)
+    prepared = bucketed.collate([bucketed.prepare(obs)])
+    assert int(prepared.token_mask.sum()) <= 48  # a short task + 14 state bins fits the first bucket
+    assert bucketed._bucketed(prepared).tokens.shape[1] == 48
+    # Padding tokens are masked out of attention and do not advance positions, so only the
+    # float32 summation order of the shorter softmax differs: ~1e-7, well below 1e-5.
+    assert np.abs(plain.infer(obs, noise=noise).actions - bucketed.infer(obs, noise=noise).actions).max() < 1e-5
+    assert bucketed.metadata["prompt_buckets"] == [48, 96, 200]
+
+
+def test_auto_dtype_is_float32_on_the_cpu(golden):
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="auto", progress=False)
+    assert policy.metadata["dtype"] == "float32"
+    with pytest.raises(CheckpointError, match="float16"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float16", progress=False)

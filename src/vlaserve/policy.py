@@ -26,6 +26,15 @@ from .weights import build_model, load_weights, parameter_counts
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """'auto': bfloat16 on CUDA; float32 on the CPU, where bf16 matmuls are ~4x slower."""
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported (choose from auto, {', '.join(sorted(DTYPES))})")
+    return dtype
 RTC_DEFAULTS = {"inference_delay": 0, "execution_horizon": 10, "max_guidance_weight": 10.0, "schedule": "linear",
                 "space": "model"}
 
@@ -107,7 +116,9 @@ class Policy:
         self.action_norm = normalization.action.cut(config.action_dim)
         self.name, self.checkpoint, self.is_demo = name, checkpoint, is_demo
         self.load_seconds = 0.0
-        self.engine = None  # set by vlaserve.engine for the CUDA fast path
+        self.engine = None  # set by enable_fast_path (CUDA)
+        self.prefix_cache = None  # set by enable_prefix_cache
+        self.prompt_buckets: tuple[int, ...] | None = None  # set by set_prompt_buckets
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -117,9 +128,8 @@ class Policy:
         """Loads a LeRobot/OpenPI Pi0.5 checkpoint. On CUDA the graph-captured fast path is used
         unless `fast_path=False` (the eager model then runs, as on the CPU)."""
         started = time.perf_counter()
-        if dtype not in DTYPES:
-            raise CheckpointError(f"dtype {dtype!r} is not supported (choose from {sorted(DTYPES)})")
         torch_device = resolve_device(device)
+        dtype = resolve_dtype(dtype, torch_device)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
         normalization = load_normalization(directory)
@@ -130,17 +140,40 @@ class Policy:
                      name=directory.name, checkpoint=str(directory), is_demo=is_demo)
         if fast_path and torch_device.type == "cuda":
             policy.enable_fast_path()
+            policy.engine.warmup((1,), config.num_inference_steps)
         policy.load_seconds = time.perf_counter() - started
         return policy
 
-    def enable_fast_path(self, use_graphs: bool = True, use_triton: bool = True) -> None:
+    def enable_fast_path(self, use_graphs: bool = True, use_triton: bool = True,
+                         max_graph_batch: int | None = None) -> None:
+        """The CUDA engine: fused weights, Triton kernels for the expert steps, CUDA graphs."""
         from .engine.graphs import CudaGraphEngine
 
         if self.device.type != "cuda":
             raise ValueError("the fast path needs a CUDA device; the eager model serves on the CPU")
         c = self.config
         self.engine = CudaGraphEngine(self.model, num_cameras=len(c.cameras), token_len=c.max_token_len,
-                                      horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton)
+                                      horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton,
+                                      max_graph_batch=max_graph_batch)
+
+    def enable_prefix_cache(self, max_entries: int = 64) -> None:
+        """Opt-in exact prefix cache (see engine/prefix_cache.py); each entry holds one prefix's K/V."""
+        from .engine.prefix_cache import PrefixCache
+
+        revision = _checkpoint_revision(self.checkpoint)
+        self.prefix_cache = PrefixCache(max_entries, f"{revision}|{self.dtype}|{self.device}")
+
+    def set_prompt_buckets(self, buckets) -> None:
+        """Opt-in: pad prompts only up to the smallest of these lengths that holds the batch's
+        longest prompt, instead of to max_token_len. Padding is masked, so actions change only by
+        float reassociation; the prefix shrinks (and each bucket gets its own CUDA graphs)."""
+        if not buckets:
+            self.prompt_buckets = None
+            return
+        buckets = sorted({int(b) for b in buckets} | {self.config.max_token_len})
+        if buckets[0] < 1 or buckets[-1] > self.config.max_token_len:
+            raise ValueError(f"prompt buckets must lie in [1, {self.config.max_token_len}]")
+        self.prompt_buckets = tuple(buckets)
 
     @property
     def metadata(self) -> dict:
@@ -154,6 +187,8 @@ class Policy:
             "device": str(self.device), "parameter_counts": parameter_counts(self.model),
             "normalization": self.normalization.source, "tokenizer": self.tokenizer.source,
             "fast_path": self.engine is not None,
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
+            "prompt_buckets": None if self.prompt_buckets is None else list(self.prompt_buckets),
         }
 
     # ---- preprocessing ------------------------------------------------------------------
@@ -280,13 +315,18 @@ class Policy:
         if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 1 <= steps <= 1000:
             raise InvalidObservation("num_steps", "expected an integer in [1, 1000]")
 
-        inputs = self.collate([self.prepare(o) for o in observations]).to(self.device)
+        inputs = self._bucketed(self.collate([self.prepare(o) for o in observations]))
+        keys = None
+        if self.prefix_cache is not None:
+            keys = [self.prefix_cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
+                                          inputs.token_mask[i]) for i in range(n)]
+        inputs = inputs.to(self.device)
         x1 = torch.stack([self.make_noise(z, s) for z, s in zip(noise, seeds)]).to(self.device)
         rtc = self.make_rtc(rtcs)
         _sync(self.device)
         prepared = time.perf_counter()
 
-        model_actions, stage_ms = self._sample(inputs, x1, int(steps), rtc)
+        model_actions, stage_ms = self._sample(inputs, x1, int(steps), rtc, keys)
 
         post_start = time.perf_counter()
         model_np = model_actions.float().cpu().numpy()
@@ -297,12 +337,21 @@ class Policy:
         return [InferenceResult(actions=actions[i], model_actions=model_np[i], timings=dict(timings))
                 for i in range(n)]
 
+    def _bucketed(self, inputs: ModelInputs) -> ModelInputs:
+        if self.prompt_buckets is None:
+            return inputs
+        longest = int(inputs.token_mask.sum(1).max())
+        length = next(b for b in self.prompt_buckets if b >= longest)
+        return ModelInputs(inputs.images, inputs.image_masks, inputs.tokens[:, :length].contiguous(),
+                           inputs.token_mask[:, :length].contiguous())
+
     @torch.no_grad()
-    def _sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None):
+    def _sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
+                prefix_keys: list[bytes] | None = None):
         if self.engine is not None:
-            return self.engine.sample(inputs, noise, num_steps, rtc)
+            return self.engine.sample(inputs, noise, num_steps, rtc, self.prefix_cache, prefix_keys)
         t0 = time.perf_counter()
-        ctx = self.compute_prefix(inputs)
+        ctx = self._cached_prefix(inputs, prefix_keys)
         _sync(self.device)
         t1 = time.perf_counter()
         actions = self.model.denoise(ctx, noise, num_steps, rtc)
@@ -313,6 +362,32 @@ class Policy:
     def compute_prefix(self, inputs: ModelInputs) -> PrefixContext:
         embs, pad_mask = self.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
         return self.model.compute_prefix(embs, pad_mask)
+
+    def _cached_prefix(self, inputs: ModelInputs, keys: list[bytes] | None) -> PrefixContext:
+        from .engine.prefix_cache import PrefixEntry
+
+        if keys is None:
+            return self.compute_prefix(inputs)
+        entries = [self.prefix_cache.get(k) for k in keys]
+        if all(e is not None for e in entries):
+            kv = [(torch.stack([e.k[layer] for e in entries])[:, None], torch.stack([e.v[layer] for e in entries])[:, None])
+                  for layer in range(len(entries[0].k))]
+            pad = torch.stack([e.pad for e in entries])
+            return PrefixContext(kv=kv, pad_mask=pad, num_valid=pad.long().sum(1))
+        ctx = self.compute_prefix(inputs)
+        for i, (key, entry) in enumerate(zip(keys, entries)):
+            if entry is None:
+                self.prefix_cache.put(key, PrefixEntry(torch.stack([k[i, 0] for k, _ in ctx.kv]),
+                                                       torch.stack([v[i, 0] for _, v in ctx.kv]),
+                                                       ctx.pad_mask[i].clone()))
+        return ctx
+
+
+def _checkpoint_revision(checkpoint: str) -> str:
+    """Identifies the weights: their files' names, sizes and modification times."""
+    directory = Path(checkpoint)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    return checkpoint + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
 def _read_arch_flag(directory: Path, key: str):

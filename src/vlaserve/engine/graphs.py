@@ -27,10 +27,6 @@ def _fuse(*linears, bias: bool = False) -> torch.Tensor:
     """Concatenates the layers' weights (or biases) into one tensor and re-points each layer's
     parameter at its slice, so the fused copy is the only copy (no extra memory)."""
     parts = [lin.bias if bias else lin.weight for lin in linears]
-    base = parts[0].data._base
-    if base is not None and parts[0].data.data_ptr() == base.data_ptr() and all(
-            p.data._base is base for p in parts) and sum(p.shape[0] for p in parts) == base.shape[0]:
-        return base  # fused already (by an earlier engine on this model)
     fused = torch.cat([p.data for p in parts], dim=0)
     offset = 0
     for p in parts:
@@ -50,6 +46,13 @@ class LayerWeights:
 
 
 class FusedWeights:
+    @staticmethod
+    def of(model: Pi05Model) -> "FusedWeights":
+        """One fusion per model: a second engine on the same model shares it instead of copying."""
+        if getattr(model, "_fused_weights", None) is None:
+            model._fused_weights = FusedWeights(model)
+        return model._fused_weights
+
     def __init__(self, model: Pi05Model):
         def layer(lyr, ada: bool) -> LayerWeights:
             a, m = lyr.self_attn, lyr.mlp
@@ -93,7 +96,7 @@ class FastPi05:
 
     def __init__(self, model: Pi05Model, use_triton: bool = True):
         self.model = model
-        self.w = FusedWeights(model)
+        self.w = FusedWeights.of(model)
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
         self.dtype = model.vlm.dtype
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
@@ -350,39 +353,46 @@ class _Graph:
 
 
 class CudaGraphEngine:
-    """Runs Policy batches through FastPi05 captured in CUDA graphs (one set per batch size)."""
+    """Runs Policy batches through FastPi05 captured in CUDA graphs.
+
+    Static buffers and graphs exist per (batch size, prompt length); a prompt length other than
+    the checkpoint's comes only from opt-in prompt-length buckets.
+    """
 
     def __init__(self, model: Pi05Model, num_cameras: int, token_len: int, horizon: int,
-                 use_graphs: bool = True, use_triton: bool = True):
+                 use_graphs: bool = True, use_triton: bool = True, max_graph_batch: int | None = None):
         self.fast = FastPi05(model, use_triton=use_triton)
         self.model = model
         self.device = model.action_in_proj.weight.device
-        vis = model.vision.dims
         self.num_cameras, self.token_len, self.horizon = num_cameras, token_len, horizon
-        self.prefix_len = num_cameras * vis.num_patches + token_len
         self.use_graphs = use_graphs
+        self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._buffers: dict[int, dict] = {}
-        self._prefix_graphs: dict[int, _Graph] = {}
+        self._buffers: dict[tuple, dict] = {}
+        self._prefix_graphs: dict[tuple, _Graph] = {}
         self._denoise_graphs: dict[tuple, _Graph] = {}
 
-    def buffers(self, b: int) -> dict:
-        if b not in self._buffers:
+    def prefix_len(self, token_len: int) -> int:
+        return self.num_cameras * self.model.vision.dims.num_patches + token_len
+
+    def buffers(self, b: int, token_len: int) -> dict:
+        if (b, token_len) not in self._buffers:
             vis, d = self.model.vision.dims, self.fast.vlm_dims
             dev, res, layers = self.device, vis.image_size, len(self.fast.w.vlm)
-            total = -(-(self.prefix_len + self.horizon) // 64) * 64  # attention kernels tile keys by 64
-            self._buffers[b] = {
+            plen = self.prefix_len(token_len)
+            total = -(-(plen + self.horizon) // 64) * 64  # attention kernels tile keys by 64
+            self._buffers[(b, token_len)] = {
                 "images": torch.zeros(b, self.num_cameras, 3, res, res, device=dev),
                 "image_masks": torch.ones(b, self.num_cameras, dtype=torch.bool, device=dev),
-                "tokens": torch.zeros(b, self.token_len, dtype=torch.long, device=dev),
-                "token_mask": torch.ones(b, self.token_len, dtype=torch.bool, device=dev),
+                "tokens": torch.zeros(b, token_len, dtype=torch.long, device=dev),
+                "token_mask": torch.ones(b, token_len, dtype=torch.bool, device=dev),
                 "noise": torch.zeros(b, self.horizon, self.model.config.max_action_dim, device=dev),
                 "k_cache": torch.zeros(layers, b, total, d.head_dim, dtype=self.fast.dtype, device=dev),
                 "v_cache": torch.zeros(layers, b, total, d.head_dim, dtype=self.fast.dtype, device=dev),
-                "pad": torch.ones(b, self.prefix_len, dtype=torch.bool, device=dev),
+                "pad": torch.ones(b, plen, dtype=torch.bool, device=dev),
                 "rtc": {},
             }
-        return self._buffers[b]
+        return self._buffers[(b, token_len)]
 
     def _run_prefix(self, buf):
         pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
@@ -394,14 +404,26 @@ class CudaGraphEngine:
         sched = self.fast.schedule(num_steps)
         return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
 
+    def _restore_prefix(self, buf, entries) -> None:
+        plen = buf["pad"].shape[1]
+        for i, e in enumerate(entries):
+            buf["k_cache"][:, i, :plen] = e.k
+            buf["v_cache"][:, i, :plen] = e.v
+            buf["pad"][i] = e.pad
+
     @torch.no_grad()
-    def sample(self, inputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None):
-        b = noise.shape[0]
-        buf = self.buffers(b)
-        buf["images"].copy_(inputs.images)
-        buf["image_masks"].copy_(inputs.image_masks)
-        buf["tokens"].copy_(inputs.tokens)
-        buf["token_mask"].copy_(inputs.token_mask)
+    def sample(self, inputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
+               prefix_cache=None, prefix_keys=None):
+        b, token_len = inputs.tokens.shape
+        buf = self.buffers(b, token_len)
+        graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
+        entries = [prefix_cache.get(k) for k in prefix_keys] if prefix_cache is not None else None
+        hit = entries is not None and all(e is not None for e in entries)
+        if not hit:
+            buf["images"].copy_(inputs.images)
+            buf["image_masks"].copy_(inputs.image_masks)
+            buf["tokens"].copy_(inputs.tokens)
+            buf["token_mask"].copy_(inputs.token_mask)
         buf["noise"].copy_(noise)
         static_rtc = None
         if rtc is not None:
@@ -412,31 +434,42 @@ class CudaGraphEngine:
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         started = time.perf_counter()
         start.record()
-        if self.use_graphs:
-            if b not in self._prefix_graphs:
-                self._prefix_graphs[b] = _Graph(lambda: self._run_prefix(buf), self._pool)
-            key = (b, num_steps, static_rtc is not None)
+        if hit:
+            self._restore_prefix(buf, entries)
+        elif graphs:
+            if (b, token_len) not in self._prefix_graphs:
+                self._prefix_graphs[(b, token_len)] = _Graph(lambda: self._run_prefix(buf), self._pool)
+            self._prefix_graphs[(b, token_len)].replay()
+        else:
+            self._run_prefix(buf)
+        mid.record()
+        if graphs:
+            key = (b, token_len, num_steps, static_rtc is not None)
             if key not in self._denoise_graphs:
                 self.fast.schedule(num_steps)
                 self._denoise_graphs[key] = _Graph(lambda: self._run_denoise(buf, num_steps, static_rtc), self._pool)
-            self._prefix_graphs[b].replay()
-            mid.record()
             out = self._denoise_graphs[key].replay()
         else:
-            self._run_prefix(buf)
-            mid.record()
             out = self._run_denoise(buf, num_steps, static_rtc)
         end.record()
+        if entries is not None and not hit:
+            from .prefix_cache import PrefixEntry
+
+            plen = buf["pad"].shape[1]
+            for i, (key, e) in enumerate(zip(prefix_keys, entries)):
+                if e is None:
+                    prefix_cache.put(key, PrefixEntry(buf["k_cache"][:, i, :plen].clone(),
+                                                      buf["v_cache"][:, i, :plen].clone(), buf["pad"][i].clone()))
         end.synchronize()
         return out.clone(), {"prefix_ms": start.elapsed_time(mid), "denoise_ms": mid.elapsed_time(end),
                              "host_ms": (time.perf_counter() - started) * 1e3}
 
     def warmup(self, batch_sizes=(1,), num_steps: int = 10) -> None:
-        """Captures graphs ahead of the first request so no caller pays for it."""
+        """Compiles the kernels and captures graphs ahead of the first request."""
         from ..policy import ModelInputs
 
         for b in batch_sizes:
-            buf = self.buffers(b)
+            buf = self.buffers(b, self.token_len)
             inputs = ModelInputs(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"])
             self.sample(inputs, torch.randn_like(buf["noise"]), num_steps, None)
 
