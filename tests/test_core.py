@@ -295,3 +295,13 @@ def test_auto_dtype_is_float32_on_the_cpu(golden):
     assert policy.metadata["dtype"] == "float32"
     with pytest.raises(CheckpointError, match="float16"):
         Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float16", progress=False)
+
+
+def test_uint8_images_travel_as_bytes_and_convert_bit_identically(golden_policy):
+    obs = observation(30, cameras=("base_0_rgb", "right_wrist_0_rgb"))
+    prepared = golden_policy.prepare(obs)
+    assert prepared.images.dtype == torch.uint8  # 4x less host work and transfer than float32
+    on_device = golden_policy.collate([prepared]).to("cpu").images[0]
+    for slot, cam in enumerate(prepared.slot_cameras):
+        expected = prepare_image(obs["images"][cam], 224, cam) if cam in obs["images"] else torch.full((3, 224, 224), -1.0)
+        assert torch.equal(on_device[slot], expected)

@@ -20,3 +20,7 @@ class InvalidObservation(VlaserveError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class InsufficientMemory(VlaserveError):
+    """The chosen memory profile will not fit the device; raised at startup, before any weight loads."""

@@ -18,7 +18,7 @@ import torch
 from .config import PolicyConfig, load_policy_config
 from .errors import CheckpointError, InvalidObservation
 from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
-from .processing.images import empty_image, prepare_image
+from .processing.images import bytes_to_model_range, empty_image, prepare_image
 from .processing.normalize import Normalization, load_normalization
 from .processing.prompt import PromptTokenizer, build_prompt, discretize_state, find_tokenizer
 from .weights import build_model, load_weights, parameter_counts
@@ -50,7 +50,7 @@ class InferenceResult:
 class PreparedObservation:
     """One observation after host preprocessing (what the model sees, plus how it got there)."""
 
-    images: torch.Tensor  # [N, 3, S, S] float32 in [-1, 1], slots in the reference's order
+    images: torch.Tensor  # [N, 3, S, S]: float32 in [-1, 1], or uint8 bytes; slots in the reference's order
     image_mask: torch.Tensor  # [N] bool
     slot_cameras: list[str]  # camera of each slot
     tokens: torch.Tensor  # [L] int64
@@ -71,8 +71,12 @@ class ModelInputs:
     token_mask: torch.Tensor  # [B, L]
 
     def to(self, device) -> "ModelInputs":
-        return ModelInputs(*(t.to(device, non_blocking=True) for t in
-                             (self.images, self.image_masks, self.tokens, self.token_mask)))
+        """Moves to `device`; uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
+        images = self.images.to(device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = bytes_to_model_range(images)
+        return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
+                                     (self.image_masks, self.tokens, self.token_mask)))
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -192,8 +196,10 @@ class Policy:
         }
 
     # ---- preprocessing ------------------------------------------------------------------
-    def check_observation(self, obs: dict) -> None:
-        self.prepare(obs)
+    def check_observation(self, obs: dict) -> PreparedObservation:
+        """Raises InvalidObservation naming the field at fault; returns the preprocessed observation,
+        which infer/infer_batch accept in place of the dict."""
+        return self.prepare(obs)
 
     def prepare(self, obs: dict) -> PreparedObservation:
         if not isinstance(obs, dict):
@@ -220,8 +226,14 @@ class Policy:
             raise InvalidObservation("images", "at least one camera image is required")
         # The reference's slot order: present cameras in config order, then the absent ones.
         slot_cameras = present + [cam for cam in c.cameras if cam not in present]
-        slots = [prepare_image(images[cam], resolution, f"images.{cam}", normalized) for cam in present]
-        slots += [empty_image(resolution) for _ in range(len(c.cameras) - len(present))]
+        slots = [prepare_image(images[cam], resolution, f"images.{cam}", normalized, keep_bytes=True)
+                 for cam in present]
+        if all(s.dtype == torch.uint8 for s in slots):
+            blank = torch.zeros_like(slots[0])  # byte 0 is -1 in the model's range, like empty_image
+        else:
+            slots = [bytes_to_model_range(s) if s.dtype == torch.uint8 else s for s in slots]
+            blank = empty_image(resolution)
+        slots += [blank] * (len(c.cameras) - len(present))
         image_mask = torch.tensor([cam in present for cam in slot_cameras])
 
         normalized_state = self.state_norm.normalize(state)
@@ -234,7 +246,10 @@ class Policy:
             normalized_state=normalized_state, state_bins=bins, prompt=prompt, truncated=tokenized.truncated)
 
     def collate(self, prepared: list[PreparedObservation]) -> ModelInputs:
-        return ModelInputs(images=torch.stack([p.images for p in prepared]),
+        images = [p.images for p in prepared]
+        if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
+            images = [bytes_to_model_range(im) if im.dtype == torch.uint8 else im for im in images]
+        return ModelInputs(images=torch.stack(images),
                            image_masks=torch.stack([p.image_mask for p in prepared]),
                            tokens=torch.stack([p.tokens for p in prepared]),
                            token_mask=torch.stack([p.token_mask for p in prepared]))
@@ -315,7 +330,8 @@ class Policy:
         if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 1 <= steps <= 1000:
             raise InvalidObservation("num_steps", "expected an integer in [1, 1000]")
 
-        inputs = self._bucketed(self.collate([self.prepare(o) for o in observations]))
+        prepared_obs = [o if isinstance(o, PreparedObservation) else self.prepare(o) for o in observations]
+        inputs = self._bucketed(self.collate(prepared_obs))
         keys = None
         if self.prefix_cache is not None:
             keys = [self.prefix_cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
@@ -360,6 +376,7 @@ class Policy:
         return actions, {"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (t2 - t1) * 1e3}
 
     def compute_prefix(self, inputs: ModelInputs) -> PrefixContext:
+        inputs = inputs.to(self.device)
         embs, pad_mask = self.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
         return self.model.compute_prefix(embs, pad_mask)
 

@@ -120,6 +120,24 @@ def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
     return shards
 
 
+def checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape for every tensor Pi0.5 uses, from the safetensors headers only
+    (nothing is read from the data). A head-only tied embedding counts as the embedding."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    lm_head = None
+    for path in checkpoint_files(checkpoint_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if canonical_lerobot_name(key) == LM_HEAD:
+                    lm_head = tuple(f.get_slice(key).get_shape())
+                ours = to_our_name(key)
+                if ours is not None and not ours.startswith("?"):
+                    shapes[ours] = tuple(f.get_slice(key).get_shape())
+    if "vlm.embed_tokens.weight" not in shapes and lm_head is not None:
+        shapes["vlm.embed_tokens.weight"] = lm_head
+    return shapes
+
+
 def _format_keys(keys, limit: int = 12) -> str:
     keys = sorted(keys)
     more = f" … and {len(keys) - limit} more" if len(keys) > limit else ""

@@ -71,10 +71,10 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
                 except DecodeError as e:
                     raise ApiError(400, "invalid_msgpack", str(e)) from None
                 observation, noise = observation_from_openpi(raw, service)
-                await service.check(observation, in_request_body=False)
+                prepared = await service.check(observation, in_request_body=False)
                 decode_ms = ms_since(started)
                 submitted = time.perf_counter()
-                result = await service.infer(observation, noise)
+                result = await service.infer(prepared, noise)
                 infer_ms = ms_since(submitted)
             except ApiError as error:
                 await _fail(websocket, service, route, error.type, error.status,

@@ -91,10 +91,11 @@ class Service:
             "camera_aliases": self.settings.camera_aliases,
         }
 
-    async def check(self, observation: dict, in_request_body: bool) -> None:
-        # check_observation does the full host preprocessing, so it runs off the event loop.
+    async def check(self, observation: dict, in_request_body: bool):
+        """Validates by preprocessing (off the event loop); the result is what gets batched, so an
+        observation is preprocessed once."""
         try:
-            await asyncio.to_thread(self.policy.check_observation, observation)
+            return await asyncio.to_thread(self.policy.check_observation, observation)
         except InvalidObservation as e:
             raise invalid_observation(e, in_request_body) from None
 
@@ -114,13 +115,13 @@ class Service:
         """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
         the timings so far (decode, queue, model stages, infer = queue + model)."""
         generation = parse_generation(body, self.metadata, self.settings.camera_aliases, msgpack_response)
-        await self.check(generation.observation, in_request_body=True)
+        prepared = await self.check(generation.observation, in_request_body=True)
         for hint, enabled in generation.hints.items():
             if enabled:
                 self.metrics.hints.labels(hint).inc()
         timings = {"decode_ms": ms_since(started)}
         submitted = time.perf_counter()
-        result = await self.infer(generation.observation, generation.noise, generation.seed,
+        result = await self.infer(prepared, generation.noise, generation.seed,
                                   generation.num_steps, generation.rtc)
         timings["infer_ms"] = ms_since(submitted)
         timings["queue_ms"] = result.timings["queue_ms"]

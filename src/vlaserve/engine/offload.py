@@ -1,0 +1,138 @@
+"""The `offload` memory profile: the vision tower's and the VLM's layers live in (pinned) host memory
+and pass through two preallocated device slots per stack, one layer at a time, on every call.
+
+Each layer's parameters normally hold their host copy. Just before a layer runs (a forward pre-hook),
+its parameters are re-pointed at the slot its weights were copied into, and the next layer's copy is
+started into the other slot on a side stream, so copying overlaps the current layer's compute. The
+previous layer goes back to its host copy at that moment, which is also when an event marks its
+slot free for reuse (all of its kernels are queued by then). On a CPU device the "copy stream" is
+the identity: copies happen in place, in order, and the arithmetic is exactly the eager model's.
+
+Hook points (the eager model is not edited): a SigLIP layer is called as a module, so its own
+pre-hook fires first. `GemmaPrefixLM.prefix_kv` calls no Gemma layer as a module; the first module it
+calls for each layer is `input_layernorm`, so that is where the VLM's pre-hook sits. The last layer
+of a pass stays on its slot until the next pass puts it back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.pi05 import Pi05Model
+
+# Parameter-name prefixes of the streamed layers; everything else stays resident on the device.
+STREAMED_PREFIXES = ("vision.layers.", "vlm.layers.")
+
+
+class _LayerStack:
+    """One stack of identically shaped layers and its two device slots."""
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device, copy_stream):
+        self.layers = layers
+        self.device = device
+        self.copy_stream = copy_stream  # None on a CPU device
+        self.params = [list(layer.parameters()) for layer in layers]
+        shapes = [[(p.shape, p.dtype) for p in ps] for ps in self.params]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError("offload needs the layers of a stack to have identical parameter shapes")
+        pin = device.type == "cuda"
+        with torch.no_grad():
+            for ps in self.params:
+                for p in ps:
+                    host = p.data.to("cpu")
+                    p.data = host.pin_memory() if pin else host
+        self.host = [[p.data for p in ps] for ps in self.params]
+        self.slots = [[torch.empty(p.shape, dtype=p.dtype, device=device) for p in self.params[0]] for _ in range(2)]
+        self.layer_bytes = sum(p.numel() * p.element_size() for p in self.params[0])
+        self.resident: list[int | None] = [None, None]  # layer whose weights each slot holds
+        self.loaded: list = [None, None]  # per slot: event after its last copy (CUDA)
+        self.free: list = [None, None]  # per slot: event after the last kernel that read it (CUDA)
+        self.active: int | None = None  # layer whose parameters point at its slot now
+        self.next_stack: _LayerStack | None = None  # prefetched when this stack's last layer starts
+        self.bytes_copied = 0
+
+    def load(self, i: int) -> None:
+        """Starts copying layer i into its slot (a no-op if the slot still holds it)."""
+        s = i % 2
+        if self.resident[s] == i:
+            return
+        if self.active is not None and self.active % 2 == s:
+            self._deactivate()
+        if self.copy_stream is None:
+            for dst, src in zip(self.slots[s], self.host[i]):
+                dst.copy_(src)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                if self.free[s] is not None:
+                    self.copy_stream.wait_event(self.free[s])
+                for dst, src in zip(self.slots[s], self.host[i]):
+                    dst.copy_(src, non_blocking=True)
+                self.loaded[s] = torch.cuda.Event()
+                self.loaded[s].record(self.copy_stream)
+        self.resident[s] = i
+        self.bytes_copied += self.layer_bytes
+
+    def enter(self, i: int) -> None:
+        """Layer i is about to run: put its weights in place and prefetch what runs after it."""
+        if self.active == i:
+            return
+        if self.active is not None:
+            self._deactivate()
+        self.load(i)
+        s = i % 2
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.loaded[s])
+        for p, slot in zip(self.params[i], self.slots[s]):
+            p.data = slot
+        self.active = i
+        if i + 1 < len(self.layers):
+            self.load(i + 1)
+        elif self.next_stack is not None:
+            self.next_stack.load(0)
+
+    def _deactivate(self) -> None:
+        i = self.active
+        if self.copy_stream is not None:
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
+            self.free[i % 2] = freed
+        for p, host in zip(self.params[i], self.host[i]):
+            p.data = host
+        self.active = None
+
+
+class LayerOffload:
+    """Streams `model.vision.layers` and `model.vlm.layers` to `device`; moves the rest there."""
+
+    def __init__(self, model: Pi05Model, device: torch.device):
+        device = torch.device(device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.startswith(STREAMED_PREFIXES):
+                    p.data = p.data.to(device)
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.vision = _LayerStack(model.vision.layers, device, copy_stream)
+        self.vlm = _LayerStack(model.vlm.layers, device, copy_stream)
+        # The VLM's first layer copies while the vision tower's last layer runs.
+        self.vision.next_stack = self.vlm
+        self._hooks = [layer.register_forward_pre_hook(self._enter_hook(self.vision, i))
+                       for i, layer in enumerate(model.vision.layers)]
+        self._hooks += [layer.input_layernorm.register_forward_pre_hook(self._enter_hook(self.vlm, i))
+                        for i, layer in enumerate(model.vlm.layers)]
+
+    @staticmethod
+    def _enter_hook(stack: _LayerStack, i: int):
+        def hook(module, args):
+            stack.enter(i)
+
+        return hook
+
+    @property
+    def bytes_copied(self) -> int:
+        """Host-to-device weight bytes copied so far (a layer still in its slot is not copied again)."""
+        return self.vision.bytes_copied + self.vlm.bytes_copied
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * (self.vision.layer_bytes + self.vlm.layer_bytes)

@@ -1,0 +1,259 @@
+"""Memory profiles, and how much device memory each needs, known before any weight is loaded.
+
+A profile says where the weights live and how much the engine may keep (docs/memory.md):
+- default: every weight resident in the serving dtype; the CUDA fast path keeps graphs and static
+  buffers for every batch size it meets.
+- edge-16gb: resident too; graphs only for batches of at most 4. The server never forms a larger
+  batch (its max batch size is capped); a larger batch from a library caller runs the same kernels
+  without graphs. The prefix cache, when enabled, holds fewer entries.
+- offload: the vision tower's and the VLM's layers stay in pinned host memory and stream through two
+  device slots per stack on every call (engine/offload.py); eager model, no graphs.
+
+The estimate is weights + offload slots + K/V cache and static buffers + activations (+ the prefix
+cache's entries when it is enabled) + a fixed headroom, from the checkpoint's tensor shapes (safetensors
+headers) and the policy's sizes; the formulas sit next to the code. `check_fit` compares it with what
+the process may use on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .config import PolicyConfig
+from .engine.offload import STREAMED_PREFIXES
+from .errors import CheckpointError, InsufficientMemory
+from .weights import checkpoint_shapes, param_dtype
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# cuBLAS/cuDNN workspaces, Triton modules, graph-exec memory, allocator rounding and fragmentation:
+# none is modelled on its own; half a GiB covers them with margin (the CUDA context itself is outside
+# the allocator and already missing from the free memory the check reads).
+HEADROOM_BYTES = 512 * 2**20
+# The fast path pads the K/V cache to a multiple of its attention kernels' 64-key tiles.
+KV_TILE = 64
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    name: str
+    summary: str
+    offload: bool = False  # vision + VLM layers in pinned host memory, streamed per call; eager only
+    max_graph_batch: int | None = None  # largest batch with CUDA graphs, and the server's batch cap; None: no bound
+    prefix_cache_entries: int = 64  # the opt-in prefix cache's size (one prefix's K/V per entry)
+
+
+PROFILES = {p.name: p for p in (
+    MemoryProfile("default", "all weights resident; CUDA graphs and buffers for every batch size"),
+    # Full size, a prefix cache entry is ~18 MB: 64 entries ~1.1 GiB, 16 ~0.28 GiB, 8 ~0.14 GiB.
+    MemoryProfile("edge-16gb", "all weights resident; CUDA graphs and server batches of at most 4, "
+                               "a smaller prefix cache", max_graph_batch=4, prefix_cache_entries=16),
+    MemoryProfile("offload", "vision tower and VLM layers in pinned host memory, streamed layer by layer "
+                             "each call; expert, embeddings and projections resident; eager",
+                  offload=True, prefix_cache_entries=8),
+)}
+
+
+def get_profile(name: str) -> MemoryProfile:
+    if name not in PROFILES:
+        raise CheckpointError(f"memory profile {name!r} is not supported (choose from {', '.join(PROFILES)})")
+    return PROFILES[name]
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def counts_by_dtype(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, int]:
+    """Parameter counts per dtype under the serving dtype policy (weights.param_dtype)."""
+    counts: Counter = Counter()
+    for name, shape in shapes.items():
+        counts[str(param_dtype(name, dtype)).removeprefix("torch.")] += math.prod(shape)
+    return dict(counts)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one profile needs at one batch size; `total` is device memory (host_pinned is not)."""
+
+    profile: str
+    batch_size: int  # the largest batch that will run (edge-16gb: capped at its max_graph_batch)
+    weights: int
+    offload_slots: int
+    kv_and_buffers: int
+    activations: int
+    prefix_cache: int
+    headroom: int
+    host_pinned: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.offload_slots + self.kv_and_buffers + self.activations + self.prefix_cache
+                + self.headroom)
+
+    def describe(self) -> str:
+        parts = [f"weights {gib(self.weights)}"]
+        if self.offload_slots:
+            parts.append(f"layer slots {gib(self.offload_slots)}")
+        parts += [f"K/V cache and buffers {gib(self.kv_and_buffers)}", f"activations {gib(self.activations)}"]
+        if self.prefix_cache:
+            parts.append(f"prefix cache {gib(self.prefix_cache)}")
+        parts.append(f"headroom {gib(self.headroom)}")
+        return f"{gib(self.total)} ({', '.join(parts)})"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def prefix_length(config: PolicyConfig) -> int:
+    return len(config.cameras) * config.model.vision.num_patches + config.max_token_len
+
+
+def prefix_kv_bytes(config: PolicyConfig, itemsize: int) -> int:
+    """K and V of one prefix over every VLM layer: [L, Hkv, P, D] each (also one prefix cache entry)."""
+    g = config.model.vlm
+    return 2 * g.depth * g.num_kv_heads * prefix_length(config) * g.head_dim * itemsize
+
+
+def _kv_and_buffers_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> int:
+    if not graphs:
+        # Eager: the prefix's per-layer K/V, alive from the prefix pass to the last Euler step.
+        return prefix_kv_bytes(config, itemsize)
+    # CudaGraphEngine.buffers: K and V [L, T, Hkv·D] with T = P + H rounded up to the key tile, plus the
+    # float32 images and noise and the int64 tokens it copies each call's inputs into.
+    g = config.model.vlm
+    p, h = prefix_length(config), config.action_horizon
+    t = -(-(p + h) // KV_TILE) * KV_TILE
+    res = config.model.vision.image_size
+    return (2 * g.depth * t * g.num_kv_heads * g.head_dim * itemsize + len(config.cameras) * 3 * res * res * 4
+            + h * config.model.max_action_dim * 4 + config.max_token_len * 8)
+
+
+def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> int:
+    """The widest moment of one call, per batch item: a vision layer or a prefix layer, whichever is
+    larger (the expert's steps cover H = 50 tokens against the prefix's ~1000 and stay far below)."""
+    v, g = config.model.vision, config.model.vlm
+    p, s = prefix_length(config), itemsize
+    # Vision, per image: residual stream, normed input and attention output [N, W]; fc1 and its GELU
+    # [N, mlp]. Attention goes through SDPA, which on CUDA never materializes the [N, N] scores.
+    vision = len(config.cameras) * v.num_patches * (3 * v.width + 2 * v.mlp_dim) * s
+    if graphs:
+        # A prefix layer at its widest: residual and normed input [P, W], fused gate/up [P, 2M], GELU(gate)
+        # and the GeGLU product [P, M] each; plus the [P, P] attention mask in the model dtype.
+        prefix = p * (2 * g.width + 4 * g.mlp_dim) * s + p * p * s
+    else:
+        # Eager: the MLP holds GELU(gate), up and their product [P, M] at once; attention materializes
+        # the scores [Hq·P, P] in float32 twice (before and after the mask) and the probabilities in the
+        # model dtype (8 + s bytes per score); plus the float32 [P, P] mask.
+        prefix = p * (2 * g.width * s + max(3 * g.mlp_dim * s, g.num_heads * p * (8 + s)) + 4 * p)
+    return max(vision, prefix)
+
+
+def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
+                    profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True,
+                    prefix_cache: bool = False) -> MemoryEstimate:
+    """Device bytes for serving batches of up to `batch_size` under `profile`.
+
+    `shapes` maps our parameter names to shapes (weights.checkpoint_shapes, or a model's). `fast_path`:
+    whether the CUDA graph engine runs where the profile allows it (never under offload). `prefix_cache`:
+    count the opt-in prefix cache, full to the profile's entry limit.
+    """
+    device_bytes = host_bytes = 0
+    layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
+    for name, shape in shapes.items():
+        n = math.prod(shape) * param_dtype(name, dtype).itemsize
+        stack = next((prefix for prefix in STREAMED_PREFIXES if name.startswith(prefix)), None)
+        if profile.offload and stack is not None:
+            host_bytes += n
+            layer_bytes[stack + name[len(stack):].split(".", 1)[0]] += n
+        else:
+            device_bytes += n
+    # Offload: two slots per stack, each the size of one of that stack's (identical) layers.
+    slots = 2 * sum(max((n for key, n in layer_bytes.items() if key.startswith(stack)), default=0)
+                    for stack in STREAMED_PREFIXES)
+
+    graphs = fast_path and not profile.offload
+    batch = min(batch_size, profile.max_graph_batch or batch_size)
+    itemsize = dtype.itemsize
+    # The graph engine keeps buffers for every batch size it has run, 1..B; eager code only the current call's.
+    buffer_items = batch * (batch + 1) // 2 if graphs else batch
+    return MemoryEstimate(
+        profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,
+        kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, itemsize, graphs),
+        activations=batch * _activations_per_item(config, itemsize, graphs),
+        prefix_cache=profile.prefix_cache_entries * prefix_kv_bytes(config, itemsize) if prefix_cache else 0,
+        headroom=HEADROOM_BYTES, host_pinned=host_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    usable: int  # bytes this process may still allocate on the device
+    source: str  # where the number comes from, for messages
+
+
+def given_budget(usable: int) -> DeviceBudget:
+    return DeviceBudget(usable, f"the given budget of {gib(usable)}")
+
+
+def cuda_budget(device: torch.device) -> DeviceBudget:
+    """Free device memory (plus what this process's allocator holds unused), capped by
+    `torch.cuda.set_per_process_memory_fraction` when that is below 1."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    usable = free + torch.cuda.memory_reserved(device) - allocated
+    source = f"{gib(free)} free of {gib(total)} on {device}"
+    # torch has the getter since 2.6 (2.11 and 2.13 both do); without it no cap can be read.
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    if fraction < 1.0:
+        # The caching allocator refuses to grow past fraction·total (freeing its cache before it does).
+        cap = int(fraction * total)
+        usable = min(usable, cap - allocated)
+        source += f", per-process cap {gib(cap)} ({fraction:.1%})"
+    return DeviceBudget(max(usable, 0), source)
+
+
+def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
+              profile: MemoryProfile, batch_size: int, budget: DeviceBudget,
+              fast_path: bool = True) -> MemoryEstimate:
+    """The estimate, if it fits `budget`; else InsufficientMemory naming the numbers and the profiles that fit."""
+    needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path)
+    if needed.total <= budget.usable:
+        return needed
+    others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path) for p in PROFILES.values()
+              if p is not profile]
+    fitting = [e for e in others if e.total <= budget.usable]
+    if fitting:
+        options = ", ".join(f"{e.profile} (about {gib(e.total)})" for e in fitting)
+        advice = (f"Profiles that fit: {options}; start with --memory-profile {fitting[0].profile} "
+                  f"(memory_profile={fitting[0].profile!r}).")
+    else:
+        options = ", ".join(f"{e.profile} needs about {gib(e.total)}" for e in others)
+        advice = f"No profile fits at this batch size ({options}): lower --max-batch-size or free device memory."
+    raise InsufficientMemory(
+        f"memory profile {profile.name!r} needs about {needed.describe()} for batches of up to "
+        f"{needed.batch_size} in {str(dtype).removeprefix('torch.')}, but this process may use only "
+        f"{gib(budget.usable)} ({budget.source}). {advice}")
+
+
+def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torch.dtype, profile: MemoryProfile,
+                         device: torch.device, batch_size: int, budget_bytes: int | None,
+                         fast_path: bool) -> MemoryEstimate | None:
+    """Policy.from_pretrained's startup check, from the checkpoint's headers. It runs on CUDA, or
+    anywhere when `budget_bytes` is given; host memory (the CPU device) is not checked otherwise."""
+    if budget_bytes is None and device.type != "cuda":
+        return None
+    budget = given_budget(budget_bytes) if budget_bytes is not None else cuda_budget(device)
+    needed = check_fit(checkpoint_shapes(checkpoint_dir), config, dtype, profile, batch_size, budget,
+                       fast_path and device.type == "cuda")
+    log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", profile.name,
+             needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
+    return needed
