@@ -24,6 +24,8 @@ SERVE_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY)"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
     "tokenizer": (str, None, "PATH", "tokenizer directory or file, when the checkpoint has none"),
+    "memory_profile": (str, "default", "PROFILE", "default, edge-16gb or offload: where the weights live and "
+                                                  "what the engine keeps (docs/memory.md)"),
 }
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 
@@ -47,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         suffix = "" if default is None else f" (default: {default})"
         serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, metavar=metavar, help=text + suffix)
     serve.set_defaults(run=serve_command)
+
+    info = commands.add_parser(
+        "info", help="describe a checkpoint without loading its weights",
+        description="Parameter counts per dtype, expected device memory per memory profile, cameras, dims, "
+                    "tokenizer and normalization of a checkpoint, read from its headers and config files.")
+    info.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                      help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
+    info.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                      help="serving dtype the counts and memory assume (default: bfloat16)")
+    info.add_argument("--max-batch-size", type=int, default=8, metavar="N",
+                      help="batch size of the second memory column (default: 8, as serve)")
+    info.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory or file, when the checkpoint has none")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    info.set_defaults(run=info_command)
     return parser
 
 
@@ -134,7 +150,8 @@ def serve_command(cli: dict) -> int:
         checkpoint = options["checkpoint"] or demo_checkpoint()
         load_started = time.perf_counter()
         policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
-                                        tokenizer=options["tokenizer"])
+                                        tokenizer=options["tokenizer"], memory_profile=options["memory_profile"],
+                                        max_batch_size=options["max_batch_size"])
         load_seconds = time.perf_counter() - load_started
         aliases = camera_aliases(options["camera_aliases"])
     except (VlaserveError, ValueError, OSError) as e:
@@ -142,8 +159,15 @@ def serve_command(cli: dict) -> int:
         return 2
 
     max_payload_bytes = int(options["max_payload_mb"] * 2**20)
+    max_batch_size = options["max_batch_size"]
+    profile = policy.memory_profile
+    if profile.max_graph_batch is not None and max_batch_size > profile.max_graph_batch:
+        # The batcher then never forms a batch that would run without CUDA graphs (and their bounded buffers).
+        log.info("memory profile %s: batches of at most %d (max_batch_size %d lowered)", profile.name,
+                 profile.max_graph_batch, max_batch_size)
+        max_batch_size = profile.max_graph_batch
     settings = ServerSettings(api_key=options["api_key"], max_payload_bytes=max_payload_bytes,
-                              max_batch_size=options["max_batch_size"], batch_delay_ms=options["batch_delay_ms"],
+                              max_batch_size=max_batch_size, batch_delay_ms=options["batch_delay_ms"],
                               camera_aliases=aliases)
     app = create_app(policy, settings)
     log_startup(policy, options, load_seconds)
@@ -174,12 +198,113 @@ def log_startup(policy, options: dict, load_seconds: float) -> None:
         log.warning("*" * 72)
     counts = ", ".join(f"{n:,} {dtype}" for dtype, n in m["parameter_counts"].items())
     log.info("model %s%s from %s", m["model"], " (DEMO)" if m["is_demo"] else "", m["checkpoint"])
-    log.info("dtype %s, device %s, parameters: %s; loaded in %.2f s", m["dtype"], m["device"], counts,
-             load_seconds)
+    log.info("dtype %s, device %s, memory profile %s, parameters: %s; loaded in %.2f s", m["dtype"], m["device"],
+             m["memory_profile"], counts, load_seconds)
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
     log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s",
              host, options["port"], host, options["port"], " with an API key" if options["api_key"] else "")
+
+
+def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tokenizer: str | None = None) -> dict:
+    """What `vlaserve info` reports, from headers and config files only (no weight is read)."""
+    import torch
+
+    from .config import load_policy_config
+    from .demo import demo_checkpoint
+    from .errors import CheckpointError
+    from .memory import PROFILES, counts_by_dtype, estimate_memory, prefix_kv_bytes
+    from .policy import _read_arch_flag, resolve_checkpoint
+    from .processing.normalize import load_normalization
+    from .processing.prompt import find_tokenizer
+    from .weights import checkpoint_shapes
+
+    directory = resolve_checkpoint(checkpoint or demo_checkpoint())
+    config = load_policy_config(directory)
+    shapes = checkpoint_shapes(directory)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    info = {
+        "checkpoint": str(directory), "is_demo": bool(_read_arch_flag(directory, "demo")), "dtype": dtype,
+        "parameters": {"total": sum(counts_by_dtype(shapes, torch_dtype).values()),
+                       "by_dtype": counts_by_dtype(shapes, torch_dtype)},
+        "cameras": list(config.cameras), "state_dim": config.state_dim, "action_dim": config.action_dim,
+        "action_horizon": config.action_horizon, "num_inference_steps": config.num_inference_steps,
+        "max_token_len": config.max_token_len,
+    }
+    try:
+        info["tokenizer"] = str(find_tokenizer(directory, tokenizer))
+    except CheckpointError as e:
+        info["tokenizer"], info["tokenizer_error"] = None, str(e)
+    try:
+        info["normalization"] = load_normalization(directory).source
+    except CheckpointError as e:
+        info["normalization"], info["normalization_error"] = None, str(e)
+    entry = prefix_kv_bytes(config, torch_dtype.itemsize)
+    info["memory"] = {
+        "batch_sizes": [1, max_batch_size],
+        "prefix_cache_entry_bytes": entry,
+        "profiles": {p.name: {
+            "summary": p.summary, "max_graph_batch": p.max_graph_batch,
+            "prefix_cache_entries": p.prefix_cache_entries, "prefix_cache_bytes": p.prefix_cache_entries * entry,
+            "estimates": [estimate_memory(shapes, config, torch_dtype, p, b).as_dict() for b in (1, max_batch_size)],
+        } for p in PROFILES.values()},
+    }
+    return info
+
+
+def format_info(info: dict) -> str:
+    gib = 2**30
+    params = info["parameters"]
+    split = " + ".join(f"{n:,} {dtype}" for dtype, n in params["by_dtype"].items())
+    tokenizer = info["tokenizer"] or f"not found: {info['tokenizer_error']}"
+    normalization = info["normalization"] or f"not found: {info['normalization_error']}"
+    lines = [
+        f"checkpoint      {info['checkpoint']}",
+        f"demo            {'yes (tiny, random weights)' if info['is_demo'] else 'no'}",
+        f"parameters      {params['total']:,} used: {split} (serving dtype {info['dtype']})",
+        f"cameras         {', '.join(info['cameras'])}",
+        f"state dim       {info['state_dim']}",
+        f"action dim      {info['action_dim']}",
+        f"action horizon  {info['action_horizon']} ({info['num_inference_steps']} denoising steps, "
+        f"prompts of {info['max_token_len']} tokens)",
+        f"tokenizer       {tokenizer}",
+        f"normalization   {normalization}",
+        "",
+        "expected device memory per profile (estimates; docs/memory.md)",
+    ]
+    memory = info["memory"]
+    small, large = memory["batch_sizes"]
+    lines.append(f"{'profile':<11} {f'batch {small}':>10} {f'batch {large}':>10} {'host, pinned':>13}")
+    for name, p in memory["profiles"].items():
+        first, second = p["estimates"]
+        host = f"{first['host_pinned'] / gib:.2f} GiB" if first["host_pinned"] else "-"
+        capped = "*" if second["batch_size"] < large else " "
+        lines.append(f"{name:<11} {first['total'] / gib:>6.2f} GiB {second['total'] / gib:>6.2f} GiB{capped}"
+                     f"{host:>13}")
+    capped = [f"{name} runs batches of at most {p['max_graph_batch']}" for name, p in memory["profiles"].items()
+              if p["max_graph_batch"] is not None and p["max_graph_batch"] < large]
+    if capped:
+        lines.append("* " + "; ".join(capped))
+    limits = ", ".join(f"{name} {p['prefix_cache_entries']}" for name, p in memory["profiles"].items())
+    lines.append(f"prefix cache (opt-in, not included): {memory['prefix_cache_entry_bytes'] / 2**20:.1f} MiB per "
+                 f"entry; entries: {limits}")
+    return "\n".join(lines)
+
+
+def info_command(cli: dict) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .errors import VlaserveError
+
+    if cli["max_batch_size"] < 1:
+        log.error("max_batch_size must be at least 1")
+        return 2
+    try:
+        info = checkpoint_info(cli["checkpoint"], cli["dtype"], cli["max_batch_size"], cli["tokenizer"])
+    except (VlaserveError, OSError) as e:
+        log.error("%s", e)
+        return 2
+    print(json.dumps(info, indent=1) if cli["json"] else format_info(info))
+    return 0
 
 
 if __name__ == "__main__":

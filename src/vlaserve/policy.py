@@ -17,6 +17,7 @@ import torch
 
 from .config import PolicyConfig, load_policy_config
 from .errors import CheckpointError, InvalidObservation
+from .memory import PROFILES, MemoryProfile, check_before_loading, get_profile
 from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
 from .processing.images import bytes_to_model_range, empty_image, prepare_image
 from .processing.normalize import Normalization, load_normalization
@@ -123,14 +124,22 @@ class Policy:
         self.engine = None  # set by enable_fast_path (CUDA)
         self.prefix_cache = None  # set by enable_prefix_cache
         self.prompt_buckets: tuple[int, ...] | None = None  # set by set_prompt_buckets
+        self.memory_profile = PROFILES["default"]  # set by use_memory_profile
+        self.offload = None  # the LayerOffload streaming vision/VLM layers, under the offload profile
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "bfloat16",
                         tokenizer: str | Path | None = None, progress: bool = True,
-                        fast_path: bool = True) -> "Policy":
+                        fast_path: bool = True, memory_profile: str = "default", max_batch_size: int = 1,
+                        memory_budget: int | None = None) -> "Policy":
         """Loads a LeRobot/OpenPI Pi0.5 checkpoint. On CUDA the graph-captured fast path is used
-        unless `fast_path=False` (the eager model then runs, as on the CPU)."""
+        unless `fast_path=False` (the eager model then runs, as on the CPU).
+
+        `memory_profile`: default, edge-16gb or offload (vlaserve.memory). Before any weight loads, the
+        profile's estimated device memory for batches of up to `max_batch_size` is checked against
+        what the process may use on CUDA (or against `memory_budget` bytes, on any device), and
+        InsufficientMemory names the numbers and the profiles that would fit."""
         started = time.perf_counter()
         torch_device = resolve_device(device)
         dtype = resolve_dtype(dtype, torch_device)
@@ -138,15 +147,30 @@ class Policy:
         config = load_policy_config(directory)
         normalization = load_normalization(directory)
         prompt_tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, tokenizer))
-        model = load_weights(build_model(config.model), directory, DTYPES[dtype], torch_device, progress=progress)
+        profile = get_profile(memory_profile)
+        check_before_loading(directory, config, DTYPES[dtype], profile, torch_device, max_batch_size, memory_budget,
+                             fast_path)
+        # Offload loads to the host: the streamed layers never touch the device as a whole.
+        load_device = torch.device("cpu") if profile.offload else torch_device
+        model = load_weights(build_model(config.model), directory, DTYPES[dtype], load_device, progress=progress)
         is_demo = bool(_read_arch_flag(directory, "demo"))
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
                      name=directory.name, checkpoint=str(directory), is_demo=is_demo)
-        if fast_path and torch_device.type == "cuda":
-            policy.enable_fast_path()
-            policy.engine.warmup((1,), config.num_inference_steps)
+        policy.use_memory_profile(profile, fast_path)
         policy.load_seconds = time.perf_counter() - started
         return policy
+
+    def use_memory_profile(self, profile: MemoryProfile, fast_path: bool = True) -> None:
+        """Places the weights and picks the engine as `profile` says; on CUDA with `fast_path`, the
+        graph engine (not under offload), warmed up at batch 1."""
+        self.memory_profile = profile
+        if profile.offload:
+            from .engine.offload import LayerOffload
+
+            self.engine, self.offload = None, LayerOffload(self.model, self.device)
+        elif fast_path and self.device.type == "cuda":
+            self.enable_fast_path(max_graph_batch=profile.max_graph_batch)
+            self.engine.warmup((1,), self.config.num_inference_steps)
 
     def enable_fast_path(self, use_graphs: bool = True, use_triton: bool = True,
                          max_graph_batch: int | None = None) -> None:
@@ -160,9 +184,13 @@ class Policy:
                                       horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton,
                                       max_graph_batch=max_graph_batch)
 
-    def enable_prefix_cache(self, max_entries: int = 64) -> None:
-        """Opt-in exact prefix cache (see engine/prefix_cache.py); each entry holds one prefix's K/V."""
+    def enable_prefix_cache(self, max_entries: int | None = None) -> None:
+        """Opt-in exact prefix cache (see engine/prefix_cache.py); each entry holds one prefix's K/V.
+        By default it holds as many entries as the memory profile allows."""
         from .engine.prefix_cache import PrefixCache
+
+        if max_entries is None:
+            max_entries = self.memory_profile.prefix_cache_entries
 
         revision = _checkpoint_revision(self.checkpoint)
         self.prefix_cache = PrefixCache(max_entries, f"{revision}|{self.dtype}|{self.device}")
@@ -190,7 +218,7 @@ class Policy:
             "image_resolution": list(c.image_resolution), "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device), "parameter_counts": parameter_counts(self.model),
             "normalization": self.normalization.source, "tokenizer": self.tokenizer.source,
-            "fast_path": self.engine is not None,
+            "fast_path": self.engine is not None, "memory_profile": self.memory_profile.name,
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
             "prompt_buckets": None if self.prompt_buckets is None else list(self.prompt_buckets),
         }
