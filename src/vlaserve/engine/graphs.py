@@ -147,15 +147,23 @@ class FastPi05:
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
-    def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache):
-        """Fills k_cache/v_cache[:, :, :P] ([L, B, T, D]) and returns the prefix pad mask [B, P]."""
+    def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache, vision_slots: int | None = None):
+        """Fills k_cache/v_cache[:, :, :P] ([L, B, T, D]) and returns the prefix pad mask [B, P].
+
+        vision_slots: only the first slots go through SigLIP; later slots must be masked in every
+        item (absent cameras come last in the reference's slot order). Their tokens are zeros: a
+        masked key gets weight exp(-2.4e38) = 0 exactly, so skipping them changes no action.
+        """
         m = self.model
         b, n = images.shape[:2]
-        feats = self.vision(images.flatten(0, 1))
-        img = F.linear(feats, m.projector.weight, m.projector.bias).reshape(b, -1, self.vlm_dims.width)
+        seen = n if vision_slots is None else vision_slots
+        per_image = self.model.vision.dims.num_patches
+        img = torch.zeros(b, n * per_image, self.vlm_dims.width, dtype=self.dtype, device=images.device)
+        if seen:
+            feats = self.vision(images[:, :seen].flatten(0, 1))
+            img[:, :seen * per_image] = F.linear(feats, m.projector.weight, m.projector.bias).reshape(b, -1, img.shape[2])
         lang = m.vlm.embed(tokens)
         h = torch.cat([img.to(lang.dtype), lang], dim=1).to(self.dtype)
-        per_image = img.shape[1] // n
         pad = torch.cat([image_masks.repeat_interleave(per_image, dim=1), token_mask], dim=1)
         positions = pad.long().cumsum(1) - 1
         dims = self.vlm_dims
@@ -394,9 +402,9 @@ class CudaGraphEngine:
             }
         return self._buffers[(b, token_len)]
 
-    def _run_prefix(self, buf):
+    def _run_prefix(self, buf, vision_slots: int):
         pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
-                               buf["k_cache"], buf["v_cache"])
+                               buf["k_cache"], buf["v_cache"], vision_slots)
         buf["pad"].copy_(pad)
         return buf["pad"]
 
@@ -419,6 +427,9 @@ class CudaGraphEngine:
         graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
         entries = [prefix_cache.get(k) for k in prefix_keys] if prefix_cache is not None else None
         hit = entries is not None and all(e is not None for e in entries)
+        # Absent cameras sit in the last slots; slots absent from every item skip the vision tower.
+        present = inputs.image_masks.any(0).tolist()
+        vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
         if not hit:
             buf["images"].copy_(inputs.images)
             buf["image_masks"].copy_(inputs.image_masks)
@@ -437,11 +448,12 @@ class CudaGraphEngine:
         if hit:
             self._restore_prefix(buf, entries)
         elif graphs:
-            if (b, token_len) not in self._prefix_graphs:
-                self._prefix_graphs[(b, token_len)] = _Graph(lambda: self._run_prefix(buf), self._pool)
-            self._prefix_graphs[(b, token_len)].replay()
+            key = (b, token_len, vision_slots)
+            if key not in self._prefix_graphs:
+                self._prefix_graphs[key] = _Graph(lambda: self._run_prefix(buf, vision_slots), self._pool)
+            self._prefix_graphs[key].replay()
         else:
-            self._run_prefix(buf)
+            self._run_prefix(buf, vision_slots)
         mid.record()
         if graphs:
             key = (b, token_len, num_steps, static_rtc is not None)
