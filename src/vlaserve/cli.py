@@ -18,14 +18,17 @@ SERVE_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "host": (str, "127.0.0.1", "HOST", "address to bind"),
     "port": (int, 8000, "PORT", "port to bind"),
     "device": (str, "auto", "DEVICE", "auto, cpu or cuda (auto: cuda when available)"),
-    "dtype": (str, "bfloat16", "DTYPE", "bfloat16 or float32"),
+    "dtype": (str, "auto", "DTYPE", "auto, bfloat16 or float32 (auto: bfloat16 on CUDA, float32 on a CPU)"),
     "max_batch_size": (int, 8, "N", "most observations run in one batch"),
     "batch_delay_ms": (float, 2.0, "MS", "how long the first request of a batch waits for company"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY)"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
     "tokenizer": (str, None, "PATH", "tokenizer directory or file, when the checkpoint has none"),
-    "memory_profile": (str, "default", "PROFILE", "default, edge-16gb or offload: where the weights live and "
-                                                  "what the engine keeps (docs/memory.md)"),
+    "memory_profile": (str, "default", "PROFILE",
+                       "default, edge-16gb or offload: where the weights live, what the engine keeps (docs/memory.md)"),
+    "prefix_cache": (int, 0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)"),
+    "prompt_buckets": (str, None, "L1,L2",
+                       "pad prompts only to the smallest of these token lengths that fits (speed; docs/gpu.md)"),
 }
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 
@@ -111,6 +114,10 @@ def serve_options(cli: dict) -> dict:
     options.update({k: v for k, v in cli.items() if k in options})
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port {options['port']} is out of range")
+    if options["prefix_cache"] < 0:
+        raise UsageError("prefix_cache must not be negative")
+    if options["prompt_buckets"] and not all(b.strip().isdigit() for b in options["prompt_buckets"].split(",")):
+        raise UsageError("prompt_buckets must be comma-separated token lengths, e.g. 48,96")
     if options["max_batch_size"] < 1:
         raise UsageError("max_batch_size must be at least 1")
     if options["batch_delay_ms"] < 0:
@@ -152,6 +159,10 @@ def serve_command(cli: dict) -> int:
         policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
                                         tokenizer=options["tokenizer"], memory_profile=options["memory_profile"],
                                         max_batch_size=options["max_batch_size"])
+        if options["prefix_cache"]:
+            policy.enable_prefix_cache(options["prefix_cache"])
+        if options["prompt_buckets"]:
+            policy.set_prompt_buckets(int(b) for b in options["prompt_buckets"].split(","))
         load_seconds = time.perf_counter() - load_started
         aliases = camera_aliases(options["camera_aliases"])
     except (VlaserveError, ValueError, OSError) as e:
@@ -255,7 +266,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
 def format_info(info: dict) -> str:
     gib = 2**30
     params = info["parameters"]
-    split = " + ".join(f"{n:,} {dtype}" for dtype, n in params["by_dtype"].items())
+    split = " + ".join(f"{n:,} {dtype}" for dtype, n in sorted(params["by_dtype"].items(), key=lambda kv: -kv[1]))
     tokenizer = info["tokenizer"] or f"not found: {info['tokenizer_error']}"
     normalization = info["normalization"] or f"not found: {info['normalization_error']}"
     lines = [
@@ -265,8 +276,8 @@ def format_info(info: dict) -> str:
         f"cameras         {', '.join(info['cameras'])}",
         f"state dim       {info['state_dim']}",
         f"action dim      {info['action_dim']}",
-        f"action horizon  {info['action_horizon']} ({info['num_inference_steps']} denoising steps, "
-        f"prompts of {info['max_token_len']} tokens)",
+        (f"action horizon  {info['action_horizon']} ({info['num_inference_steps']} denoising steps, "
+         f"prompts of {info['max_token_len']} tokens)"),
         f"tokenizer       {tokenizer}",
         f"normalization   {normalization}",
         "",

@@ -9,10 +9,10 @@ A profile says where the weights live and how much the engine may keep (docs/mem
 - offload: the vision tower's and the VLM's layers stay in pinned host memory and stream through two
   device slots per stack on every call (engine/offload.py); eager model, no graphs.
 
-The estimate is weights + offload slots + K/V cache and static buffers + activations (+ the prefix
-cache's entries when it is enabled) + a fixed headroom, from the checkpoint's tensor shapes (safetensors
-headers) and the policy's sizes; the formulas sit next to the code. `check_fit` compares it with what
-the process may use on the device.
+The estimate is weights + offload slots + K/V cache and static buffers + activations + a fixed
+headroom, from the checkpoint's tensor shapes (safetensors headers) and the policy's sizes; the
+formulas sit next to the code. `check_fit` compares it with what the process may use on the device.
+The opt-in prefix cache is enabled after loading and is not in it (`prefix_kv_bytes` is one entry).
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ from .weights import checkpoint_shapes, param_dtype
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-# cuBLAS/cuDNN workspaces, Triton modules, graph-exec memory, allocator rounding and fragmentation:
-# none is modelled on its own; half a GiB covers them with margin (the CUDA context itself is outside
-# the allocator and already missing from the free memory the check reads).
-HEADROOM_BYTES = 512 * 2**20
+# What the terms below leave out: cuBLAS workspaces (one per stream, and graph capture uses side
+# streams), graph-pool and allocator rounding, fragmentation. Set from a measurement: the fast path's
+# peak at batch 1 (docs/benchmarks.md, 7.05 GiB) lies 0.43 GiB above the modelled terms; 0.75 GiB keeps
+# a margin over that. bench/bench_memory.py prints estimate and measured peak side by side to recheck.
+# (The CUDA context is outside the allocator and already missing from the free memory the check reads.)
+HEADROOM_BYTES = 768 * 2**20
 # The fast path pads the K/V cache to a multiple of its attention kernels' 64-key tiles.
 KV_TILE = 64
 
@@ -90,23 +92,19 @@ class MemoryEstimate:
     offload_slots: int
     kv_and_buffers: int
     activations: int
-    prefix_cache: int
     headroom: int
     host_pinned: int
 
     @property
     def total(self) -> int:
-        return (self.weights + self.offload_slots + self.kv_and_buffers + self.activations + self.prefix_cache
-                + self.headroom)
+        return self.weights + self.offload_slots + self.kv_and_buffers + self.activations + self.headroom
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}"]
         if self.offload_slots:
             parts.append(f"layer slots {gib(self.offload_slots)}")
-        parts += [f"K/V cache and buffers {gib(self.kv_and_buffers)}", f"activations {gib(self.activations)}"]
-        if self.prefix_cache:
-            parts.append(f"prefix cache {gib(self.prefix_cache)}")
-        parts.append(f"headroom {gib(self.headroom)}")
+        parts += [f"K/V cache and buffers {gib(self.kv_and_buffers)}", f"activations {gib(self.activations)}",
+                  f"headroom {gib(self.headroom)}"]
         return f"{gib(self.total)} ({', '.join(parts)})"
 
     def as_dict(self) -> dict:
@@ -158,13 +156,11 @@ def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> 
 
 
 def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
-                    profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True,
-                    prefix_cache: bool = False) -> MemoryEstimate:
+                    profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True) -> MemoryEstimate:
     """Device bytes for serving batches of up to `batch_size` under `profile`.
 
     `shapes` maps our parameter names to shapes (weights.checkpoint_shapes, or a model's). `fast_path`:
-    whether the CUDA graph engine runs where the profile allows it (never under offload). `prefix_cache`:
-    count the opt-in prefix cache, full to the profile's entry limit.
+    whether the CUDA graph engine runs where the profile allows it (never under offload).
     """
     device_bytes = host_bytes = 0
     layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
@@ -189,7 +185,6 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
         profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,
         kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, itemsize, graphs),
         activations=batch * _activations_per_item(config, itemsize, graphs),
-        prefix_cache=profile.prefix_cache_entries * prefix_kv_bytes(config, itemsize) if prefix_cache else 0,
         headroom=HEADROOM_BYTES, host_pinned=host_bytes)
 
 
@@ -206,13 +201,15 @@ def given_budget(usable: int) -> DeviceBudget:
 def cuda_budget(device: torch.device) -> DeviceBudget:
     """Free device memory (plus what this process's allocator holds unused), capped by
     `torch.cuda.set_per_process_memory_fraction` when that is below 1."""
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    usable = free + torch.cuda.memory_reserved(device) - allocated
-    source = f"{gib(free)} free of {gib(total)} on {device}"
+    # An index, not torch.device("cuda"): get_per_process_memory_fraction refuses a device without one.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    allocated = torch.cuda.memory_allocated(index)
+    usable = free + torch.cuda.memory_reserved(index) - allocated
+    source = f"{gib(free)} free of {gib(total)} on cuda:{index}"
     # torch has the getter since 2.6 (2.11 and 2.13 both do); without it no cap can be read.
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    fraction = get_fraction(index) if get_fraction is not None else 1.0
     if fraction < 1.0:
         # The caching allocator refuses to grow past fraction·total (freeing its cache before it does).
         cap = int(fraction * total)

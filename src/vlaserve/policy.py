@@ -179,6 +179,8 @@ class Policy:
 
         if self.device.type != "cuda":
             raise ValueError("the fast path needs a CUDA device; the eager model serves on the CPU")
+        if self.offload is not None:
+            raise ValueError("the fast path needs resident weights; the offload memory profile runs the eager model")
         c = self.config
         self.engine = CudaGraphEngine(self.model, num_cameras=len(c.cameras), token_len=c.max_token_len,
                                       horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton,

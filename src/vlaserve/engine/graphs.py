@@ -343,9 +343,9 @@ class StaticRTC:
 
 
 class _Graph:
-    def __init__(self, fn, pool):
-        # Warm up on a side stream (allocator + library handles), then capture.
-        stream = torch.cuda.Stream()
+    def __init__(self, fn, pool, stream: torch.cuda.Stream):
+        # Warm up on a side stream (allocator + library handles), then capture. One stream per
+        # engine: each new stream would get (and keep) its own cuBLAS workspace.
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -376,6 +376,7 @@ class CudaGraphEngine:
         self.use_graphs = use_graphs
         self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._capture_stream = torch.cuda.Stream() if use_graphs else None
         self._buffers: dict[tuple, dict] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
         self._denoise_graphs: dict[tuple, _Graph] = {}
@@ -450,7 +451,8 @@ class CudaGraphEngine:
         elif graphs:
             key = (b, token_len, vision_slots)
             if key not in self._prefix_graphs:
-                self._prefix_graphs[key] = _Graph(lambda: self._run_prefix(buf, vision_slots), self._pool)
+                self._prefix_graphs[key] = _Graph(lambda: self._run_prefix(buf, vision_slots), self._pool,
+                                                 self._capture_stream)
             self._prefix_graphs[key].replay()
         else:
             self._run_prefix(buf, vision_slots)
@@ -459,7 +461,8 @@ class CudaGraphEngine:
             key = (b, token_len, num_steps, static_rtc is not None)
             if key not in self._denoise_graphs:
                 self.fast.schedule(num_steps)
-                self._denoise_graphs[key] = _Graph(lambda: self._run_denoise(buf, num_steps, static_rtc), self._pool)
+                self._denoise_graphs[key] = _Graph(lambda: self._run_denoise(buf, num_steps, static_rtc), self._pool,
+                                                 self._capture_stream)
             out = self._denoise_graphs[key].replay()
         else:
             out = self._run_denoise(buf, num_steps, static_rtc)

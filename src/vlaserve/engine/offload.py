@@ -23,10 +23,27 @@ from ..model.pi05 import Pi05Model
 
 # Parameter-name prefixes of the streamed layers; everything else stays resident on the device.
 STREAMED_PREFIXES = ("vision.layers.", "vlm.layers.")
+# Byte alignment of each parameter inside a layer's flat buffer (what cuBLAS and vector loads like).
+ALIGN = 256
+
+
+def _packed(params: list[nn.Parameter], buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a flat uint8 `buffer` shaped and typed like `params`, packed in order at ALIGN bytes."""
+    views, offset = [], 0
+    for p in params:
+        n = p.numel() * p.element_size()
+        views.append(buffer[offset:offset + n].view(p.dtype).view(p.shape))
+        offset += -(-n // ALIGN) * ALIGN
+    return views
+
+
+def _packed_size(params: list[nn.Parameter]) -> int:
+    return sum(-(-(p.numel() * p.element_size()) // ALIGN) * ALIGN for p in params)
 
 
 class _LayerStack:
-    """One stack of identically shaped layers and its two device slots."""
+    """One stack of identically shaped layers: each layer's weights in one flat host buffer (pinned
+    when the device is CUDA, so copies are asynchronous), and two flat device slots."""
 
     def __init__(self, layers: nn.ModuleList, device: torch.device, copy_stream):
         self.layers = layers
@@ -36,15 +53,20 @@ class _LayerStack:
         shapes = [[(p.shape, p.dtype) for p in ps] for ps in self.params]
         if any(s != shapes[0] for s in shapes):
             raise ValueError("offload needs the layers of a stack to have identical parameter shapes")
+        self.layer_bytes = _packed_size(self.params[0])
         pin = device.type == "cuda"
-        with torch.no_grad():
-            for ps in self.params:
-                for p in ps:
-                    host = p.data.to("cpu")
-                    p.data = host.pin_memory() if pin else host
-        self.host = [[p.data for p in ps] for ps in self.params]
-        self.slots = [[torch.empty(p.shape, dtype=p.dtype, device=device) for p in self.params[0]] for _ in range(2)]
-        self.layer_bytes = sum(p.numel() * p.element_size() for p in self.params[0])
+        self.host = []  # per layer: (flat buffer, parameter views)
+        for ps in self.params:
+            flat = torch.empty(self.layer_bytes, dtype=torch.uint8, pin_memory=pin)
+            views = _packed(ps, flat)
+            for p, view in zip(ps, views):
+                view.copy_(p.data)
+                p.data = view  # the layer's previous storage (device or host) is freed here
+            self.host.append((flat, views))
+        self.slots = []
+        for _ in range(2):
+            flat = torch.empty(self.layer_bytes, dtype=torch.uint8, device=device)
+            self.slots.append((flat, _packed(self.params[0], flat)))
         self.resident: list[int | None] = [None, None]  # layer whose weights each slot holds
         self.loaded: list = [None, None]  # per slot: event after its last copy (CUDA)
         self.free: list = [None, None]  # per slot: event after the last kernel that read it (CUDA)
@@ -60,14 +82,12 @@ class _LayerStack:
         if self.active is not None and self.active % 2 == s:
             self._deactivate()
         if self.copy_stream is None:
-            for dst, src in zip(self.slots[s], self.host[i]):
-                dst.copy_(src)
+            self.slots[s][0].copy_(self.host[i][0])
         else:
             with torch.cuda.stream(self.copy_stream):
                 if self.free[s] is not None:
                     self.copy_stream.wait_event(self.free[s])
-                for dst, src in zip(self.slots[s], self.host[i]):
-                    dst.copy_(src, non_blocking=True)
+                self.slots[s][0].copy_(self.host[i][0], non_blocking=True)
                 self.loaded[s] = torch.cuda.Event()
                 self.loaded[s].record(self.copy_stream)
         self.resident[s] = i
@@ -83,8 +103,8 @@ class _LayerStack:
         s = i % 2
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self.loaded[s])
-        for p, slot in zip(self.params[i], self.slots[s]):
-            p.data = slot
+        for p, view in zip(self.params[i], self.slots[s][1]):
+            p.data = view
         self.active = i
         if i + 1 < len(self.layers):
             self.load(i + 1)
@@ -97,8 +117,8 @@ class _LayerStack:
             freed = torch.cuda.Event()
             freed.record(torch.cuda.current_stream(self.device))
             self.free[i % 2] = freed
-        for p, host in zip(self.params[i], self.host[i]):
-            p.data = host
+        for p, view in zip(self.params[i], self.host[i][1]):
+            p.data = view
         self.active = None
 
 
@@ -107,19 +127,18 @@ class LayerOffload:
 
     def __init__(self, model: Pi05Model, device: torch.device):
         device = torch.device(device)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if not name.startswith(STREAMED_PREFIXES):
-                    p.data = p.data.to(device)
+        for name, p in model.named_parameters():
+            if not name.startswith(STREAMED_PREFIXES):
+                p.data = p.data.to(device)
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.vision = _LayerStack(model.vision.layers, device, copy_stream)
         self.vlm = _LayerStack(model.vlm.layers, device, copy_stream)
         # The VLM's first layer copies while the vision tower's last layer runs.
         self.vision.next_stack = self.vlm
-        self._hooks = [layer.register_forward_pre_hook(self._enter_hook(self.vision, i))
-                       for i, layer in enumerate(model.vision.layers)]
-        self._hooks += [layer.input_layernorm.register_forward_pre_hook(self._enter_hook(self.vlm, i))
-                        for i, layer in enumerate(model.vlm.layers)]
+        for i, layer in enumerate(model.vision.layers):
+            layer.register_forward_pre_hook(self._enter_hook(self.vision, i))
+        for i, layer in enumerate(model.vlm.layers):
+            layer.input_layernorm.register_forward_pre_hook(self._enter_hook(self.vlm, i))
 
     @staticmethod
     def _enter_hook(stack: _LayerStack, i: int):

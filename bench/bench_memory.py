@@ -1,0 +1,416 @@
+"""GPU memory per memory profile, and cold start, of full-size Pi0.5 in one run (~5 minutes on an H200).
+
+Part 1, profiles. For default, edge-16gb and offload, under per-process caps of 16 and 8 GiB
+(torch.cuda.set_per_process_memory_fraction(cap / total)), at batch 1, 4 and 8, on a full-size random
+model (bf16 + the fp32 set): first the startup fit check's verdict (its estimate, or "does not fit:
+<message>"), then, where it fits, peak memory and p50 latency (CUDA events) of Policy calls. Peak memory is
+torch.cuda.max_memory_allocated, plus max_memory_reserved: graph pools and cached blocks count there, and
+it is what the cap limits. Batch 8 is where edge-16gb differs from default: like its server, it runs a
+batch of 8 as two batches of 4.
+
+Part 2, cold start. Writes a full-size LeRobot-layout checkpoint (random weights, ~2 GB shards + index,
+config/processor/tokenizer files from the golden checkpoint), then in fresh subprocesses measures import
+time, weight-load time and throughput, time to first action (Policy.from_pretrained + the first infer,
+fast path on) and the second action's time: once cold (files evicted from the page cache, empty Triton
+cache), once warm (files cached, Triton kernels compiled).
+
+    python bench/bench_memory.py [--out DIR] [--batches 1,4,8] [--caps-gib 16,8] [--iters N] [--skip-cold-start]
+
+Writes bench_memory.json and bench_memory.png under bench/results/ and --out (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from vlaserve import Policy  # noqa: E402
+from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
+from vlaserve.errors import InsufficientMemory  # noqa: E402
+from vlaserve.memory import GIB, PROFILES, check_fit, cuda_budget  # noqa: E402
+from vlaserve.policy import ModelInputs  # noqa: E402
+from vlaserve.processing.normalize import Normalization, QuantileNormalizer  # noqa: E402
+from vlaserve.weights import build_model, random_model, to_lerobot_name  # noqa: E402
+
+CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+TOKENS, VALID_TOKENS, STEPS = 200, 70, 10
+SHARD_BYTES = 2 * 10**9
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def release() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# ---- part 1: profiles ------------------------------------------------------------------------
+def policy_config() -> PolicyConfig:
+    return PolicyConfig(ModelConfig.full_size(), CAMERAS, state_dim=14, action_dim=14, max_token_len=TOKENS)
+
+
+def make_policy(profile) -> Policy:
+    """A full-size random policy, placed and engined as `profile` says (what from_pretrained does after loading)."""
+    config = policy_config()
+    model = random_model(config.model, torch.bfloat16, "cuda", seed=0)
+    q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
+    policy = Policy(model, config, Normalization(q, q, "bench"), tokenizer=None, device=torch.device("cuda"),
+                    dtype=torch.bfloat16)
+    policy.use_memory_profile(profile)
+    return policy
+
+
+def make_inputs(b: int, vocab: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    images = torch.rand(b, len(CAMERAS), 3, 224, 224, device="cuda", generator=g) * 2 - 1
+    masks = torch.ones(b, len(CAMERAS), dtype=torch.bool, device="cuda")
+    tokens = torch.randint(3, vocab, (b, TOKENS), device="cuda", generator=g)
+    token_mask = torch.zeros(b, TOKENS, dtype=torch.bool, device="cuda")
+    token_mask[:, :VALID_TOKENS] = True
+    tokens[~token_mask] = 0
+    return ModelInputs(images, masks, tokens, token_mask), torch.randn(b, 50, 32, device="cuda", generator=g)
+
+
+def time_calls(fn, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def run_parts(policy: Policy, parts: list) -> None:
+    for inputs, noise in parts:
+        policy._sample(inputs, noise, STEPS, None)
+
+
+def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dict:
+    """Fit check at each batch size under the cap; then peak memory and latency where it fits."""
+    config = policy_config()
+    shapes = {n: tuple(p.shape) for n, p in build_model(config.model).named_parameters()}
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, cap_gib * GIB / total)
+    release()
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    runs = {}
+    for b in batches:
+        try:
+            estimate = check_fit(shapes, config, torch.bfloat16, profile, b, cuda_budget(torch.device("cuda")))
+            runs[b] = {"fits": True, "estimate": estimate.as_dict()}
+        except InsufficientMemory as e:
+            runs[b] = {"fits": False, "message": f"does not fit: {e}"}
+            log(f"{profile.name} cap {cap_gib} GiB b={b}: does not fit: {e}")
+    fitting = [b for b in batches if runs[b]["fits"]]
+    if not fitting:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        return runs
+    # Built without the cap (random_model starts in float32, 13 GB); measured under it.
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    policy = make_policy(profile)
+    release()
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    chunk = profile.max_graph_batch or max(batches)
+    for b in fitting:
+        # Like the server under this profile: a batch above max_graph_batch runs as several batches.
+        parts = [make_inputs(min(chunk, b - start), config.model.vlm.vocab_size, seed=start)
+                 for start in range(0, b, chunk)]
+        call = functools.partial(run_parts, policy, parts)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            copied = policy.offload.bytes_copied if policy.offload is not None else 0
+            call()
+            copied = policy.offload.bytes_copied - copied if policy.offload is not None else 0
+            times = time_calls(call, warmup=1, iters=iters)
+        except torch.cuda.OutOfMemoryError as e:  # the estimate was too low: report it, keep going
+            runs[b]["oom"] = str(e).splitlines()[0]
+            log(f"{profile.name} cap {cap_gib} GiB b={b}: OOM despite the fit check: {runs[b]['oom']}")
+            release()
+            continue
+        runs[b].update(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
+                       p50_ms=statistics.median(times), min_ms=min(times), weight_bytes_streamed_per_call=copied)
+        log(f"{profile.name} cap {cap_gib} GiB b={b}: estimate {runs[b]['estimate']['total'] / GIB:.2f} GiB, "
+            f"peak allocated {runs[b]['peak_allocated'] / GIB:.2f} GiB, reserved {runs[b]['peak_reserved'] / GIB:.2f}"
+            f" GiB, p50 {runs[b]['p50_ms']:.1f} ms")
+    del policy, parts, call
+    release()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return runs
+
+
+# ---- part 2: cold start ----------------------------------------------------------------------
+def write_checkpoint(directory: Path, template: Path, model_config: ModelConfig, device) -> int:
+    """A LeRobot-layout checkpoint of a random model (serving dtypes: bf16 + the fp32 set), sharded at
+    ~SHARD_BYTES with an index. Config, processor and tokenizer files come from `template`, but not its
+    weights nor its architecture.json (without one, config.json's variant names give the full size).
+    Returns the weight bytes."""
+    from safetensors.torch import save_file
+
+    model = random_model(model_config, torch.bfloat16, device, seed=1)
+    tensors = {to_lerobot_name(n): p.detach() for n, p in model.named_parameters()}
+    shards, current, size = [], [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if current and size + n > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    shards.append(current)
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: tensors[k].cpu().contiguous() for k in names}, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    for path in template.iterdir():
+        if path.name == "architecture.json" or path.name.startswith("model"):
+            continue
+        if path.is_dir():
+            shutil.copytree(path, directory / path.name)
+        else:
+            shutil.copy(path, directory / path.name)
+    return total
+
+
+def evict_from_page_cache(directory: Path) -> None:
+    """Flushes the files and asks the kernel to drop their cached pages (no root needed)."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# Runs in a fresh interpreter so that imports and first-time initialization are timed as a server sees them.
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import torch
+import vlaserve.policy as policy_module
+imported = time.perf_counter()
+weights = {}
+load_weights = policy_module.load_weights
+def timed_load_weights(*args, **kwargs):  # instrumentation only: times the weight read + copy
+    start = time.perf_counter()
+    model = load_weights(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    weights["s"] = time.perf_counter() - start
+    return model
+policy_module.load_weights = timed_load_weights
+policy = policy_module.Policy.from_pretrained(sys.argv[1], device=sys.argv[2], dtype="bfloat16", progress=False)
+loaded = time.perf_counter()
+rng = np.random.default_rng(0)
+obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in policy.config.cameras},
+       "state": rng.uniform(-1, 1, policy.config.state_dim).astype(np.float32), "task": "pick up the red block"}
+policy.infer(obs, seed=0)
+first = time.perf_counter()
+policy.infer(obs, seed=1)
+second = time.perf_counter()
+print(json.dumps({"import_s": imported - t0, "load_weights_s": weights["s"], "from_pretrained_s": loaded - imported,
+                  "first_infer_s": first - loaded, "time_to_first_action_s": first - imported,
+                  "process_to_first_action_s": first - t0, "second_action_ms": (second - first) * 1e3,
+                  "fast_path": policy.engine is not None}))
+"""
+
+
+def start_once(checkpoint: Path, device: str, env: dict) -> dict:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), device], capture_output=True, text=True,
+                          env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cold-start child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["subprocess_wall_s"] = time.perf_counter() - started
+    return result
+
+
+def cold_start(template: Path, workdir: Path, model_config: ModelConfig, device: str) -> dict:
+    checkpoint = workdir / "pi05-random-full"
+    checkpoint.mkdir(parents=True)
+    started = time.perf_counter()
+    weight_bytes = write_checkpoint(checkpoint, template, model_config, device)
+    out = {"weight_bytes": weight_bytes, "write_s": time.perf_counter() - started,
+           "shards": len(list(checkpoint.glob("model-*.safetensors")))}
+    log(f"checkpoint written: {weight_bytes / 1e9:.2f} GB in {out['shards']} shards, {out['write_s']:.1f} s")
+    release()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "TRITON_CACHE_DIR": str(workdir / "triton-cache"), "HF_HUB_OFFLINE": "1"}
+    evict_from_page_cache(checkpoint)
+    for name in ("cold", "warm"):  # cold: pages evicted, Triton cache empty; warm: both filled by the cold start
+        run = start_once(checkpoint, device, env)
+        run["load_gb_per_s"] = weight_bytes / 1e9 / run["load_weights_s"]
+        out[name] = run
+        log(f"{name} start:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()}))
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------
+def print_tables(results: dict) -> None:
+    log("\n| profile | cap | batch | fit check | estimate GiB | peak allocated GiB | peak reserved GiB | p50 ms |")
+    log("|---|---|---|---|---|---|---|---|")
+    for name, caps in results.get("profiles", {}).items():
+        for cap, runs in caps.items():
+            for b, r in runs.items():
+                if not r["fits"]:
+                    log(f"| {name} | {cap} GiB | {b} | does not fit | | | | |")
+                    continue
+                measured = (f"{r['peak_allocated'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} | {r['p50_ms']:.1f}"
+                            if "p50_ms" in r else f"OOM: {r.get('oom', '?')} | | ")
+                log(f"| {name} | {cap} GiB | {b} | fits | {r['estimate']['total'] / GIB:.2f} | {measured} |")
+    cold = results.get("cold_start")
+    if cold:
+        log("\n| start | import s | load weights s | load GB/s | from_pretrained s | first infer s | "
+            "time to first action s | second action ms |")
+        log("|---|---|---|---|---|---|---|---|")
+        for name in ("cold", "warm"):
+            r = cold[name]
+            log(f"| {name} | {r['import_s']:.2f} | {r['load_weights_s']:.2f} | {r['load_gb_per_s']:.2f} | "
+                f"{r['from_pretrained_s']:.2f} | {r['first_infer_s']:.2f} | {r['time_to_first_action_s']:.2f} | "
+                f"{r['second_action_ms']:.1f} |")
+
+
+def plot(results: dict, out_dirs: list[Path]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no PNG")
+        return
+    profiles = results.get("profiles", {})
+    caps = sorted({cap for caps in profiles.values() for cap in caps}, key=float, reverse=True)
+    fig, axes = plt.subplots(1, len(caps) + 2, figsize=(5 * (len(caps) + 2), 4.5))
+    for ax, cap in zip(axes, caps):
+        labels, reserved, allocated, estimates, notes = [], [], [], [], []
+        for name, by_cap in profiles.items():
+            for b, r in by_cap.get(cap, {}).items():
+                labels.append(f"{name}\nb={b}")
+                reserved.append(r.get("peak_reserved", 0) / GIB)
+                allocated.append(r.get("peak_allocated", float("nan")) / GIB)
+                estimates.append(r["estimate"]["total"] / GIB if r["fits"] else float("nan"))
+                notes.append("refused" if not r["fits"] else "OOM" if "oom" in r else "")
+        x = np.arange(len(labels))
+        ax.bar(x, reserved, label="peak reserved (measured)")
+        ax.scatter(x, allocated, color="white", edgecolor="black", s=25, label="peak allocated (measured)", zorder=3)
+        ax.scatter(x, estimates, color="black", marker="_", s=200, label="estimate (fit check)", zorder=3)
+        for i, note in enumerate(notes):
+            if note:
+                ax.text(i, 0.2, note, rotation=90, ha="center", va="bottom", fontsize=8)
+        ax.axhline(float(cap), color="red", linestyle="--", label=f"cap {cap} GiB")
+        ax.set_xticks(x, labels, fontsize=6)
+        ax.set_ylabel("GiB")
+        ax.set_title(f"device memory under a {cap} GiB cap")
+        ax.legend(fontsize=7)
+    ax = axes[len(caps)]
+    for name, by_cap in profiles.items():
+        runs = by_cap.get(caps[0], {}) if caps else {}
+        points = [(int(b), r["p50_ms"]) for b, r in runs.items() if "p50_ms" in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("p50 per batch (ms)")
+    ax.set_title(f"latency (cap {caps[0] if caps else '-'} GiB)")
+    ax.legend(fontsize=7)
+    ax = axes[len(caps) + 1]
+    cold = results.get("cold_start")
+    if cold:
+        names = ["cold", "warm"]
+        bottom = np.zeros(2)
+        for key, label in (("import_s", "import"), ("load_weights_s", "load weights"),
+                           ("from_pretrained_s", "rest of from_pretrained"), ("first_infer_s", "first infer")):
+            values = np.array([cold[n][key] for n in names])
+            if key == "from_pretrained_s":
+                values = values - np.array([cold[n]["load_weights_s"] for n in names])
+            ax.bar(names, values, bottom=bottom, label=label)
+            bottom += values
+        ax.set_ylabel("seconds from process start")
+        ax.set_title("time to first action")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Pi0.5 memory profiles and cold start on {results.get('gpu', '?')}")
+    fig.tight_layout()
+    for d in out_dirs:
+        fig.savefig(d / "bench_memory.png", dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="also write results here (default: $OUT)")
+    ap.add_argument("--batches", default="1,4,8", help="batch sizes (default: 1,4,8)")
+    ap.add_argument("--caps-gib", default="16,8", help="per-process memory caps in GiB (default: 16,8)")
+    ap.add_argument("--iters", type=int, default=8, help="timed calls per measurement (default: 8)")
+    ap.add_argument("--golden", default=str(ROOT / ".golden" / "checkpoint"),
+                    help="checkpoint whose config, processor and tokenizer files the cold-start checkpoint copies")
+    ap.add_argument("--workdir", default=None, help="where the cold-start checkpoint is written (default: a temp dir)")
+    ap.add_argument("--skip-cold-start", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_memory needs a CUDA device")
+    batches = [int(b) for b in args.batches.split(",")]
+    caps = [float(c) for c in args.caps_gib.split(",")]
+    out_dirs = [ROOT / "bench" / "results"] + ([Path(args.out)] if args.out else [])
+    for d in out_dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "total_memory": torch.cuda.get_device_properties(0).total_memory,
+                     "workload": {"cameras": len(CAMERAS), "tokens": TOKENS, "valid_tokens": VALID_TOKENS,
+                                  "steps": STEPS, "batches": batches, "caps_gib": caps}, "profiles": {}}
+    started = time.time()
+
+    def save():
+        results["elapsed_s"] = time.time() - started
+        for d in out_dirs:
+            (d / "bench_memory.json").write_text(json.dumps(results, indent=1))
+
+    for name, profile in PROFILES.items():
+        results["profiles"][name] = {}
+        for cap in caps:
+            results["profiles"][name][f"{cap:g}"] = profile_runs(profile, cap, batches, args.iters)
+            save()
+    if not args.skip_cold_start:
+        workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vlaserve-cold-"))
+        try:
+            results["cold_start"] = cold_start(Path(args.golden), workdir, ModelConfig.full_size(), "cuda")
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        save()
+    print_tables(results)
+    plot(results, out_dirs)
+    log(f"done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

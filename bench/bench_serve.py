@@ -1,0 +1,162 @@
+"""The server on a GPU, as a robot sees it: time to the first served action, then latency per route.
+
+Writes a full-size random Pi0.5 checkpoint in the LeRobot layout (bench_memory.write_checkpoint),
+starts `vlaserve serve CHECKPOINT --device cuda` as a fresh process, and measures
+- process start -> /healthz answering, and -> the first action returned to openpi-client;
+- p50/p90 wall latency per route at batch 1 (3 uint8 224x224 cameras): HTTP msgpack,
+  /v1/actions/realtime, /openpi/policy through the unmodified openpi-client.
+
+    python bench/bench_serve.py [--checkpoint DIR] [--requests N] [--out DIR]
+
+Needs fastapi/uvicorn/websockets/openpi-client (carried as wheels on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def observation(rng) -> dict:
+    return {"observation/image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+            "observation/wrist_image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+            "observation/state": rng.uniform(-1, 1, 14).astype(np.float32), "prompt": "pick up the red block"}
+
+
+def stats(times: list[float]) -> dict:
+    times = sorted(times)
+    return {"p50_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "n": len(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", default=None, help="an existing checkpoint (default: write a random full-size one)")
+    ap.add_argument("--template", default=str(ROOT / ".golden" / "checkpoint"))
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+
+    from openpi_client import msgpack_numpy, websocket_client_policy
+
+    results: dict = {}
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        import torch
+
+        from bench_memory import write_checkpoint
+        from vlaserve.config import ModelConfig
+
+        checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
+        checkpoint.mkdir()
+        started = time.perf_counter()
+        results["weight_bytes"] = write_checkpoint(checkpoint, Path(args.template), ModelConfig.full_size(), args.device)
+        results["write_s"] = time.perf_counter() - started
+        torch.cuda.empty_cache()
+        log(f"checkpoint written in {results['write_s']:.1f} s")
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", "serve", str(checkpoint), "--device", args.device,
+                               "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError("server exited:\n" + server.stdout.read()[-4000:])
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        results["process_to_healthz_s"] = time.perf_counter() - started
+        rng = np.random.default_rng(0)
+        client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+        first = client.infer(observation(rng))
+        results["process_to_first_action_s"] = time.perf_counter() - started
+        results["first_action_shape"] = list(first["actions"].shape)
+        log("time to first served action:", round(results["process_to_first_action_s"], 2), "s")
+
+        walls, server_ms = [], []
+        for _ in range(args.requests):
+            t0 = time.perf_counter()
+            out = client.infer(observation(rng))
+            walls.append((time.perf_counter() - t0) * 1e3)
+            server_ms.append(out["server_timing"]["infer_ms"])
+        results["openpi_ws"] = {**stats(walls), "server_infer_p50_ms": statistics.median(server_ms)}
+
+        body_obs = observation(rng)
+        request = {"input": {"task": "pick up the red block", "observation": {
+            "images": {"base_0_rgb": body_obs["observation/image"], "left_wrist_0_rgb": body_obs["observation/wrist_image"]},
+            "state": body_obs["observation/state"]}}, "parameters": {"seed": 0}, "runtime": {"return_timing": True}}
+        payload = msgpack.packb(request, default=msgpack_numpy.pack_array)
+        walls, model_ms = [], []
+        for _ in range(args.requests):
+            t0 = time.perf_counter()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/actions/generations", data=payload, method="POST",
+                                         headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+            reply = msgpack.unpackb(urllib.request.urlopen(req).read(), object_hook=msgpack_numpy.unpack_array)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            model_ms.append(reply["timings"]["prefix_ms"] + reply["timings"]["denoise_ms"])
+        results["http_msgpack"] = {**stats(walls), "model_p50_ms": statistics.median(model_ms),
+                                   "timings_last": reply["timings"]}
+
+        import websockets.sync.client as ws_client
+
+        walls = []
+        with ws_client.connect(f"ws://127.0.0.1:{port}/v1/actions/realtime", max_size=None) as ws:
+            ws.recv()  # metadata frame
+            for _ in range(args.requests):
+                t0 = time.perf_counter()
+                ws.send(payload)
+                msgpack.unpackb(ws.recv(), object_hook=msgpack_numpy.unpack_array)
+                walls.append((time.perf_counter() - t0) * 1e3)
+        results["realtime_ws"] = stats(walls)
+        metadata = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
+        results["metadata"] = {k: metadata.get(k) for k in ("dtype", "device", "fast_path", "parameter_counts")}
+    finally:
+        server.terminate()
+        try:
+            results["server_exit_code"] = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        results["server_log_tail"] = server.stdout.read()[-2500:]
+
+    for route in ("openpi_ws", "http_msgpack", "realtime_ws"):
+        if route in results:
+            log(f"{route:14s} p50 {results[route]['p50_ms']:.2f} ms  p90 {results[route]['p90_ms']:.2f} ms")
+    log(json.dumps({k: v for k, v in results.items() if k != "server_log_tail"}, indent=1))
+    log(results["server_log_tail"])
+    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "bench_serve.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Memory profiles: same actions in every profile, layer streaming, the startup fit check, `vlaserve info`."""
+
+import copy
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import golden_dir
+from vlaserve import CheckpointError, Policy
+from vlaserve.cli import main
+from vlaserve.config import ModelConfig, PolicyConfig, load_policy_config
+from vlaserve.engine.offload import STREAMED_PREFIXES, LayerOffload
+from vlaserve.errors import InsufficientMemory
+from vlaserve.golden import GoldenCase, case_dirs
+from vlaserve.memory import GIB, PROFILES, check_fit, estimate_memory, get_profile, gib, given_budget
+from vlaserve.weights import build_model, random_model
+
+
+def shapes_of(model_config: ModelConfig) -> dict:
+    return {name: tuple(p.shape) for name, p in build_model(model_config).named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_profile_gives_the_same_actions_for_the_same_noise(golden, dtype):
+    policies = {name: Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype=dtype, progress=False,
+                                             memory_profile=name) for name in PROFILES}
+    assert policies["offload"].offload is not None and policies["default"].offload is None
+    assert {p.metadata["memory_profile"] for p in policies.values()} == set(PROFILES)
+    for case_dir in case_dirs(golden):
+        case = GoldenCase.load(case_dir)
+        actions = {}
+        for name, policy in policies.items():
+            results = policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
+                                         num_steps=case.meta["num_steps"], rtcs=case.rtcs())
+            actions[name] = np.stack([r.model_actions for r in results])
+        # Bitwise: offload runs the eager model's kernels in the eager model's order, on weights copied
+        # byte for byte; on a CPU, edge-16gb is the eager model itself (its bounds concern CUDA graphs).
+        for name in ("edge-16gb", "offload"):
+            assert np.array_equal(actions[name], actions["default"]), (case_dir.name, name)
+
+
+def tiny_config(depth: int) -> PolicyConfig:
+    """The golden checkpoint's sizes with `depth` layers in every stack (the golden's 2 never reuse a slot)."""
+    config = load_policy_config(golden_dir() / "checkpoint")
+    m = config.model
+    return config.with_model(replace(m, vision=replace(m.vision, depth=depth), vlm=replace(m.vlm, depth=depth),
+                                     expert=replace(m.expert, depth=depth)))
+
+
+def test_offload_streams_each_layer_through_two_slots():
+    model = random_model(tiny_config(depth=5).model, torch.float32, "cpu", seed=3)
+    reference = copy.deepcopy(model)
+    offload = LayerOffload(model, torch.device("cpu"))
+    stacks = {"vision": offload.vision, "vlm": offload.vlm}
+
+    # While a streamed layer computes, its weights must live in one of its stack's two slots.
+    seen = []
+
+    def in_slot(stack_name):
+        def hook(module, args):
+            slots = [flat for flat, _ in stacks[stack_name].slots]
+            ptr = module.weight.data_ptr()
+            seen.append(any(flat.data_ptr() <= ptr < flat.data_ptr() + flat.numel() for flat in slots))
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith(STREAMED_PREFIXES):
+            module.register_forward_pre_hook(in_slot(name.split(".", 1)[0]))
+
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(2, 1, 3, 224, 224, generator=gen) * 2 - 1
+    image_masks = torch.ones(2, 1, dtype=torch.bool)
+    tokens = torch.randint(0, 1000, (2, 12), generator=gen)
+    token_mask = torch.arange(12)[None] < torch.tensor([[12], [7]])
+    noise = torch.randn(2, 50, 32, generator=gen)
+    expected = reference.sample(images, image_masks, tokens, token_mask, noise, 3)
+    for call in (1, 2):
+        out = model.sample(images, image_masks, tokens, token_mask, noise, 3)
+        assert torch.equal(out, expected), call  # same float32 kernels in the same order: bitwise
+        # Five layers alternate over two slots, so every pass copies every layer once.
+        assert offload.bytes_copied == call * 5 * (offload.vision.layer_bytes + offload.vlm.layer_bytes)
+    # Vision: 6 linears per layer; VLM: 7 (the last layer stops after q/k/v); 5 layers, 2 calls.
+    assert len(seen) == 2 * (5 * 6 + 4 * 7 + 3) and all(seen)
+
+
+def test_estimate_matches_what_offload_allocates():
+    config = tiny_config(depth=3)
+    model = random_model(config.model, torch.bfloat16, "cpu")
+    estimate = estimate_memory(shapes_of(config.model), config, torch.bfloat16, PROFILES["offload"])
+    offload = LayerOffload(model, torch.device("cpu"))
+    streamed = [p for n, p in model.named_parameters() if n.startswith(STREAMED_PREFIXES)]
+    # The slots pack each parameter at a 256-byte boundary: at most 255 bytes of padding per tensor and slot.
+    per_slot_padding = 255 * len(streamed) // config.model.vision.depth
+    assert 0 <= offload.slot_bytes - estimate.offload_slots <= 2 * per_slot_padding
+    assert estimate.host_pinned == sum(p.numel() * p.element_size() for p in streamed)
+
+
+def test_full_size_estimates():
+    config = PolicyConfig(ModelConfig.full_size(), ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
+    shapes = shapes_of(config.model)
+    default = estimate_memory(shapes, config, torch.bfloat16, PROFILES["default"], batch_size=8)
+    edge = estimate_memory(shapes, config, torch.bfloat16, PROFILES["edge-16gb"], batch_size=8)
+    offload = estimate_memory(shapes, config, torch.bfloat16, PROFILES["offload"], batch_size=8)
+    # 3,353,433,872 parameters (docs/benchmarks.md), of which 119,847,328 in the fp32 set, counted by hand as
+    # in golden_fp32_split: 678,528 patch conv + 294,912 positions + 126,720 LayerNorms + 75,776 RMSNorms
+    # + 116,505,600 AdaRMS dense + 2,165,792 action/time projections.
+    assert default.weights == edge.weights == 3_233_586_544 * 2 + 119_847_328 * 4
+    assert offload.weights + offload.host_pinned == default.weights
+    assert edge.batch_size == 4 and edge.total < default.total
+    assert offload.total < edge.total
+    # Weights dominate: the full-size default at batch 8 must not fit an 8 GiB card, offload must.
+    assert default.total > 8 * GIB > offload.total
+
+
+def test_fit_check_refuses_with_the_numbers_and_names_a_profile_that_fits():
+    config = PolicyConfig(ModelConfig.full_size(), ("a", "b", "c"), 14, 14)
+    shapes = shapes_of(config.model)
+    estimates = {name: estimate_memory(shapes, config, torch.bfloat16, p, 8) for name, p in PROFILES.items()}
+    budget = given_budget((estimates["default"].total + estimates["edge-16gb"].total) // 2)
+    with pytest.raises(InsufficientMemory) as refused:
+        check_fit(shapes, config, torch.bfloat16, PROFILES["default"], 8, budget)
+    message = str(refused.value)
+    assert f"needs about {gib(estimates['default'].total)}" in message
+    assert f"may use only {gib(budget.usable)}" in message
+    assert f"edge-16gb (about {gib(estimates['edge-16gb'].total)})" in message
+    assert "--memory-profile edge-16gb" in message
+    assert check_fit(shapes, config, torch.bfloat16, PROFILES["edge-16gb"], 8, budget) == estimates["edge-16gb"]
+
+
+def test_from_pretrained_refuses_before_loading_any_weight(golden, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the fit check refused")
+
+    monkeypatch.setattr("vlaserve.policy.load_weights", no_loading)
+    with pytest.raises(InsufficientMemory, match=r"may use only 0\.10 GiB \(the given budget of 0\.10 GiB\).*"
+                                                 r"No profile fits"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                               memory_budget=GIB // 10)
+    monkeypatch.undo()
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    memory_budget=2 * GIB, max_batch_size=8)
+    assert policy.metadata["memory_profile"] == "default"
+
+
+def test_unknown_profile_is_refused():
+    with pytest.raises(CheckpointError, match="choose from default, edge-16gb, offload"):
+        get_profile("tiny")
+
+
+def golden_fp32_split(golden) -> tuple[int, int]:
+    """(used parameters, float32 parameters under the bf16 policy), derived from architecture.json by
+    hand: the fp32 set is the vision patch and position embeddings, every norm (SigLIP LayerNorms with
+    bias, Gemma RMSNorm offsets, the expert's AdaRMS dense layers) and the four action/time projections."""
+    arch = json.loads((golden / "checkpoint" / "architecture.json").read_text())
+    v, g, e, a = arch["vision"], arch["vlm"], arch["expert"], arch["policy"]["max_action_dim"]
+    w, we = v["hidden_size"], e["width"]
+    fp32 = (w * 3 * v["patch_size"] ** 2 + w + v["num_patches"] * w  # patch conv + bias, positions
+            + (2 * v["num_layers"] + 1) * 2 * w  # two LayerNorms per layer + the post LayerNorm
+            + (2 * g["depth"] + 1) * g["width"]  # two RMSNorms per layer + the final one
+            + (2 * e["depth"] + 1) * (we * 3 * we + 3 * we)  # AdaRMS dense: cond -> (scale, shift, gate)
+            + (a * we + we) + (we * a + a) + 2 * (we * we + we))  # action in/out, time MLP in/out
+    # The state dict also holds two LM heads Pi0.5 never uses (the PaliGemma one tied to the embedding).
+    used = arch["num_parameters"] - g["vocab_size"] * g["width"] - e["vocab_size"] * we
+    return used, fp32
+
+
+def test_info_prints_the_parameter_counts(golden, capsys):
+    used, fp32 = golden_fp32_split(golden)
+    assert used == 248_960
+    assert main(["info", str(golden / "checkpoint"), "--dtype", "float32"]) == 0
+    text = capsys.readouterr().out
+    assert f"{used:,} used: {used:,} float32 (serving dtype float32)" in text
+    assert "base_0_rgb, left_wrist_0_rgb, right_wrist_0_rgb" in text and "normalization   lerobot" in text
+    assert main(["info", str(golden / "checkpoint")]) == 0
+    text = capsys.readouterr().out
+    assert f"{used:,} used: {used - fp32:,} bfloat16 + {fp32:,} float32 (serving dtype bfloat16)" in text
+    for name in PROFILES:
+        assert f"\n{name} " in text
+
+
+def test_info_json_parses(golden, capsys):
+    used, fp32 = golden_fp32_split(golden)
+    assert main(["info", str(golden / "checkpoint"), "--json", "--max-batch-size", "4"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == {"total": used, "by_dtype": {"bfloat16": used - fp32, "float32": fp32}}
+    assert (info["state_dim"], info["action_dim"], info["action_horizon"]) == (14, 14, 50)
+    assert info["is_demo"] is False and info["tokenizer"].endswith("tokenizer") and info["normalization"] == "lerobot"
+    assert info["memory"]["batch_sizes"] == [1, 4]
+    offload = info["memory"]["profiles"]["offload"]["estimates"][0]
+    assert offload["total"] == sum(offload[k] for k in ("weights", "offload_slots", "kv_and_buffers",
+                                                         "activations", "headroom"))
+
+
+def test_info_on_the_demo(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLASERVE_CACHE", str(tmp_path))
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["is_demo"] is True and info["checkpoint"] == str(tmp_path / "demo-pi05-v1")
+
+
+def test_serve_takes_the_profile_from_the_command_line_or_the_config_file(tmp_path):
+    from test_server_cli import options, run_serve
+
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"memory_profile": "offload"}))
+    assert options([])["memory_profile"] == "default"
+    assert options(["--config", str(config)])["memory_profile"] == "offload"
+    assert options(["--config", str(config), "--memory-profile", "edge-16gb"])["memory_profile"] == "edge-16gb"
+    result = run_serve(["--memory-profile", "tiny", "--device", "cpu"], tmp_path)
+    assert result.returncode == 2 and "memory profile 'tiny' is not supported" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_prefix_cache_takes_its_size_from_the_profile(golden):
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    memory_profile="edge-16gb")
+    policy.enable_prefix_cache()
+    assert policy.prefix_cache.max_entries == PROFILES["edge-16gb"].prefix_cache_entries == 16
+    policy.enable_prefix_cache(max_entries=3)
+    assert policy.prefix_cache.max_entries == 3
