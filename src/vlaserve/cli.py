@@ -26,6 +26,8 @@ SERVE_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "tokenizer": (str, None, "PATH", "tokenizer directory or file, when the checkpoint has none"),
     "memory_profile": (str, "default", "PROFILE",
                        "default, edge-16gb or offload: where the weights live, what the engine keeps (docs/memory.md)"),
+    "warmup": (str, "background", "MODE",
+               "CUDA: background (serve with the eager model until kernels and graphs are ready) or blocking"),
     "prefix_cache": (int, 0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)"),
     "prompt_buckets": (str, None, "L1,L2",
                        "pad prompts only to the smallest of these token lengths that fits (speed; docs/gpu.md)"),
@@ -114,6 +116,8 @@ def serve_options(cli: dict) -> dict:
     options.update({k: v for k, v in cli.items() if k in options})
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port {options['port']} is out of range")
+    if options["warmup"] not in ("background", "blocking"):
+        raise UsageError("warmup must be background or blocking")
     if options["prefix_cache"] < 0:
         raise UsageError("prefix_cache must not be negative")
     if options["prompt_buckets"] and not all(b.strip().isdigit() for b in options["prompt_buckets"].split(",")):
@@ -158,7 +162,7 @@ def serve_command(cli: dict) -> int:
         load_started = time.perf_counter()
         policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
                                         tokenizer=options["tokenizer"], memory_profile=options["memory_profile"],
-                                        max_batch_size=options["max_batch_size"])
+                                        max_batch_size=options["max_batch_size"], warmup=options["warmup"])
         if options["prefix_cache"]:
             policy.enable_prefix_cache(options["prefix_cache"])
         if options["prompt_buckets"]:

@@ -352,7 +352,9 @@ class _Graph:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a capture on a warm-up thread must not fail because the serving thread
+        # allocates or launches eager work meanwhile.
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.output = fn()
 
     def replay(self):

@@ -79,6 +79,7 @@ class Service:
         return {
             "object": "model.metadata",
             **m,
+            "fast_path": self.policy.engine is not None,  # flips once a background warm-up finishes
             "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
                          "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
