@@ -161,13 +161,14 @@ def main() -> None:
             results["server_exit_code"] = server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-        results["server_log_tail"] = server.stdout.read()[-2500:]
+        results["server_log_tail"] = "\n".join(line for line in server.stdout.read().splitlines()
+                                               if "loading weights" not in line)[-2500:]
+        log("--- server log (tail) ---\n" + results["server_log_tail"])
 
     for route in ("openpi_ws", "http_msgpack", "realtime_ws"):
         if route in results:
             log(f"{route:14s} p50 {results[route]['p50_ms']:.2f} ms  p90 {results[route]['p90_ms']:.2f} ms")
     log(json.dumps({k: v for k, v in results.items() if k != "server_log_tail"}, indent=1))
-    log(results["server_log_tail"])
     for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
         d.mkdir(parents=True, exist_ok=True)
         (d / f"bench_serve{'_cold' if args.cold else ''}.json").write_text(json.dumps(results, indent=1))

@@ -123,6 +123,7 @@ class Policy:
         self.name, self.checkpoint, self.is_demo = name, checkpoint, is_demo
         self.load_seconds = 0.0
         self.engine = None  # set by enable_fast_path (CUDA)
+        self.device_lock = threading.RLock()
         self.prefix_cache = None  # set by enable_prefix_cache
         self.prompt_buckets: tuple[int, ...] | None = None  # set by set_prompt_buckets
         self.memory_profile = PROFILES["default"]  # set by use_memory_profile
@@ -196,7 +197,7 @@ class Policy:
         c = self.config
         engine = CudaGraphEngine(self.model, num_cameras=len(c.cameras), token_len=c.max_token_len,
                                  horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton,
-                                 max_graph_batch=max_graph_batch)
+                                 max_graph_batch=max_graph_batch, capture_lock=self.device_lock)
         if not warmup:
             self.engine = engine
         elif background_warmup:
@@ -397,16 +398,17 @@ class Policy:
         if self.prefix_cache is not None:
             keys = [self.prefix_cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
                                           inputs.token_mask[i]) for i in range(n)]
-        inputs = inputs.to(self.device)
-        x1 = torch.stack([self.make_noise(z, s) for z, s in zip(noise, seeds)]).to(self.device)
-        rtc = self.make_rtc(rtcs)
-        _sync(self.device)
-        prepared = time.perf_counter()
-
-        model_actions, stage_ms = self._sample(inputs, x1, int(steps), rtc, keys)
-
-        post_start = time.perf_counter()
-        model_np = model_actions.float().cpu().numpy()
+        x1 = torch.stack([self.make_noise(z, s) for z, s in zip(noise, seeds)])
+        # Device work holds the lock a background warm-up takes while it captures a CUDA graph: a
+        # capture fails if another thread touches the (legacy default) stream meanwhile.
+        with self.device_lock:
+            rtc = self.make_rtc(rtcs)
+            inputs, x1 = inputs.to(self.device), x1.to(self.device)
+            _sync(self.device)
+            prepared = time.perf_counter()
+            model_actions, stage_ms = self._sample(inputs, x1, int(steps), rtc, keys)
+            post_start = time.perf_counter()
+            model_np = model_actions.float().cpu().numpy()
         actions = self.action_norm.unnormalize(model_np[..., : self.config.action_dim])
         finished = time.perf_counter()
         timings = {"preprocess_ms": (prepared - started) * 1e3, **stage_ms,

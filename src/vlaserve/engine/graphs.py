@@ -12,6 +12,7 @@ computes the same function with fewer, larger kernels:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -343,7 +344,7 @@ class StaticRTC:
 
 
 class _Graph:
-    def __init__(self, fn, pool, stream: torch.cuda.Stream):
+    def __init__(self, fn, pool, stream: torch.cuda.Stream, capture_lock):
         # Warm up on a side stream (allocator + library handles), then capture. One stream per
         # engine: each new stream would get (and keep) its own cuBLAS workspace.
         stream.wait_stream(torch.cuda.current_stream())
@@ -352,9 +353,9 @@ class _Graph:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: a capture on a warm-up thread must not fail because the serving thread
-        # allocates or launches eager work meanwhile.
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        # The warm-up runs above (which compile the Triton kernels: the slow part) may overlap the
+        # serving thread's eager calls; the capture itself holds the policy's device lock.
+        with capture_lock, torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn()
 
     def replay(self):
@@ -370,7 +371,8 @@ class CudaGraphEngine:
     """
 
     def __init__(self, model: Pi05Model, num_cameras: int, token_len: int, horizon: int,
-                 use_graphs: bool = True, use_triton: bool = True, max_graph_batch: int | None = None):
+                 use_graphs: bool = True, use_triton: bool = True, max_graph_batch: int | None = None,
+                 capture_lock=None):
         self.fast = FastPi05(model, use_triton=use_triton)
         self.model = model
         self.device = model.action_in_proj.weight.device
@@ -379,6 +381,7 @@ class CudaGraphEngine:
         self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
+        self._capture_lock = capture_lock if capture_lock is not None else threading.RLock()
         self._buffers: dict[tuple, dict] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
         self._denoise_graphs: dict[tuple, _Graph] = {}
@@ -454,7 +457,7 @@ class CudaGraphEngine:
             key = (b, token_len, vision_slots)
             if key not in self._prefix_graphs:
                 self._prefix_graphs[key] = _Graph(lambda: self._run_prefix(buf, vision_slots), self._pool,
-                                                 self._capture_stream)
+                                                 self._capture_stream, self._capture_lock)
             self._prefix_graphs[key].replay()
         else:
             self._run_prefix(buf, vision_slots)
@@ -464,7 +467,7 @@ class CudaGraphEngine:
             if key not in self._denoise_graphs:
                 self.fast.schedule(num_steps)
                 self._denoise_graphs[key] = _Graph(lambda: self._run_denoise(buf, num_steps, static_rtc), self._pool,
-                                                 self._capture_stream)
+                                                 self._capture_stream, self._capture_lock)
             out = self._denoise_graphs[key].replay()
         else:
             out = self._run_denoise(buf, num_steps, static_rtc)
