@@ -145,7 +145,7 @@ def main() -> None:
         import websockets.sync.client as ws_client
 
         walls = []
-        with ws_client.connect(f"ws://127.0.0.1:{port}/v1/actions/realtime", max_size=None) as ws:
+        with ws_client.connect(f"ws://127.0.0.1:{port}/v1/actions/realtime", max_size=None, compression=None) as ws:
             ws.recv()  # metadata frame
             for _ in range(args.requests):
                 t0 = time.perf_counter()

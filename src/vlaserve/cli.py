@@ -188,7 +188,9 @@ def serve_command(cli: dict) -> int:
     log_startup(policy, options, load_seconds)
     server = uvicorn.Server(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_config=None, access_log=False,
-        ws_max_size=max_payload_bytes, timeout_graceful_shutdown=None))
+        ws_max_size=max_payload_bytes, timeout_graceful_shutdown=None,
+        # Robots send camera bytes: deflating ~0.5 MB per message costs more latency than it saves.
+        ws_per_message_deflate=False))
     # Everything allocated so far (torch, the model, the app) lives until exit. Freezing it keeps the
     # cyclic GC from rescanning those objects each time a request allocates many (a JSON image is
     # ~150k list items): it made JSON decoding 3x faster.
