@@ -3,7 +3,10 @@
 Full-size Pi0.5 with random weights (bf16 + fp32 set), 3 cameras 224x224, prompts padded to
 200 tokens (70 valid) -> 968 prefix tokens, chunk 50x32, 10 steps; batch 1, 2, 4, 8.
 
-    python bench/bench_gpu.py [--lerobot] [--golden DIR] [--out DIR]
+    python bench/bench_gpu.py [--lerobot] [--tune] [--batches 1,2,4,8] [--golden DIR] [--out DIR]
+
+From a clean checkout: `bench/prepare_device.sh` here (golden copy + wheels), then one device call
+carrying `.golden` and `.whl` (the script's header has the command).
 
 Checks first (max|Δ| of actions between variants), then times each variant with CUDA events
 after warm-up, and writes JSON + PNG under bench/results/ (and --out).

@@ -131,12 +131,13 @@ class Policy:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "bfloat16",
+    def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "auto",
                         tokenizer: str | Path | None = None, progress: bool = True,
                         fast_path: bool = True, memory_profile: str = "default", max_batch_size: int = 1,
                         memory_budget: int | None = None, warmup: str = "blocking") -> "Policy":
         """Loads a LeRobot/OpenPI Pi0.5 checkpoint. On CUDA the graph-captured fast path is used
-        unless `fast_path=False` (the eager model then runs, as on the CPU).
+        unless `fast_path=False` (the eager model then runs, as on the CPU). `dtype` "auto":
+        bfloat16 on CUDA, float32 on the CPU.
 
         `warmup` (CUDA fast path): "blocking" compiles the kernels and captures the batch-1 graphs
         before returning; "background" returns at once and serves with the eager model (same
@@ -148,6 +149,8 @@ class Policy:
         what the process may use on CUDA (or against `memory_budget` bytes, on any device), and
         InsufficientMemory names the numbers and the profiles that would fit."""
         started = time.perf_counter()
+        if warmup not in ("blocking", "background"):
+            raise ValueError(f"warmup must be 'blocking' or 'background', not {warmup!r}")
         torch_device = resolve_device(device)
         dtype = resolve_dtype(dtype, torch_device)
         directory = resolve_checkpoint(path_or_id)
@@ -163,8 +166,6 @@ class Policy:
         is_demo = bool(_read_arch_flag(directory, "demo"))
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
                      name=directory.name, checkpoint=str(directory), is_demo=is_demo)
-        if warmup not in ("blocking", "background"):
-            raise ValueError(f"warmup must be 'blocking' or 'background', not {warmup!r}")
         policy.use_memory_profile(profile, fast_path, background_warmup=warmup == "background")
         policy.load_seconds = time.perf_counter() - started
         return policy
