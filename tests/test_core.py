@@ -305,3 +305,18 @@ def test_uint8_images_travel_as_bytes_and_convert_bit_identically(golden_policy)
     for slot, cam in enumerate(prepared.slot_cameras):
         expected = prepare_image(obs["images"][cam], 224, cam) if cam in obs["images"] else torch.full((3, 224, 224), -1.0)
         assert torch.equal(on_device[slot], expected)
+
+
+def test_read_only_arrays_are_accepted_without_warnings(golden_policy):
+    # Arrays decoded from msgpack are read-only; torch warns when handed one without a copy.
+    obs = observation(31)
+    for image in obs["images"].values():
+        image.flags.writeable = False
+    obs["images"]["base_0_rgb"] = obs["images"]["base_0_rgb"].astype(np.float32) / 255.0
+    obs["images"]["base_0_rgb"].flags.writeable = False
+    obs["state"].flags.writeable = False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.isfinite(golden_policy.infer(obs, seed=0).actions).all()

@@ -164,8 +164,10 @@ class Policy:
         load_device = torch.device("cpu") if profile.offload else torch_device
         model = load_weights(build_model(config.model), directory, DTYPES[dtype], load_device, progress=progress)
         is_demo = bool(_read_arch_flag(directory, "demo"))
+        # A hub snapshot's directory is named after a commit: the hub id names the model better.
+        name = str(path_or_id) if not Path(path_or_id).expanduser().is_dir() else directory.name
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
-                     name=directory.name, checkpoint=str(directory), is_demo=is_demo)
+                     name=name, checkpoint=str(directory), is_demo=is_demo)
         policy.use_memory_profile(profile, fast_path, background_warmup=warmup == "background")
         policy.load_seconds = time.perf_counter() - started
         return policy

@@ -27,10 +27,12 @@ def to_chw_tensor(image, field: str) -> torch.Tensor:
     if image.shape[1] < 1 or image.shape[2] < 1:
         raise InvalidObservation(field, f"empty image of shape {list(image.shape)}")
     if image.dtype == np.uint8:
+        if not image.flags.writeable:  # e.g. decoded from msgpack; torch wants to own writable memory
+            image = image.copy()
         return torch.from_numpy(np.ascontiguousarray(image))
     if image.dtype.kind != "f":
         raise InvalidObservation(field, f"expected uint8 or float pixels, got {image.dtype}")
-    image = image.astype(np.float32, copy=False)
+    image = image.astype(np.float32, copy=not image.flags.writeable)
     if not np.isfinite(image).all():
         raise InvalidObservation(field, "image contains NaN or inf")
     return torch.from_numpy(np.ascontiguousarray(image))
