@@ -1,0 +1,55 @@
+"""The CUDA fast path's math, run on the CPU with stock kernels (no Triton, no graphs).
+
+The Triton kernels and CUDA graphs need a GPU (bench/bench_gpu.py checks them there); what runs here
+is everything else the fast path changes: fused weights, precomputed AdaRMS modulation, the static
+K/V cache with the action tokens in its tail, the skipped last prefix layer, vision skipped for
+absent trailing cameras, and RTC with per-step guidance weights.
+"""
+
+import pytest
+import torch
+
+from conftest import golden_dir
+from vlaserve import Policy
+from vlaserve.engine.graphs import FastPi05, StaticRTC
+from vlaserve.golden import GoldenCase, case_dirs
+
+CASES = case_dirs(golden_dir())
+
+
+@pytest.fixture(scope="module")
+def fast_policy(golden):
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    return policy, FastPi05(policy.model, use_triton=False)
+
+
+@pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
+def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
+    policy, fast = fast_policy
+    case = GoldenCase.load(case_dir)
+    inputs = policy.collate([policy.prepare(o) for o in case.observations()]).to("cpu")
+    b, n = inputs.image_masks.shape
+    plen = n * policy.model.vision.dims.num_patches + inputs.tokens.shape[1]
+    cache_len = -(-(plen + 50) // 64) * 64
+    layers, head_dim = len(policy.model.vlm.layers), policy.model.vlm.dims.head_dim
+    k = torch.zeros(layers, b, cache_len, head_dim)
+    v = torch.zeros_like(k)
+    present = inputs.image_masks.any(0).tolist()
+    slots = len(present) - present[::-1].index(True)
+    noise = torch.from_numpy(case.tensors["input.noise"])
+    sched = fast.schedule(case.meta["num_steps"])
+    rtc = None
+    if case.rtcs():
+        rtc = StaticRTC.allocate(b, 50, 32, len(sched.times), "cpu")
+        rtc.fill(policy.make_rtc(case.rtcs()), sched.times)
+    with torch.no_grad():
+        pad = fast.prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, k, v, slots)
+        actions = fast.denoise(pad, noise, sched, k, v, rtc)
+    expected = torch.from_numpy(case.tensors["expected.actions_model"])
+    # Same float32 function, other summation orders (fused GEMMs, SDPA): ~1e-6, as the eager path.
+    assert (actions - expected).abs().max() < 1e-5
+    # Valid prefix K/V equal the reference's (absent cameras' slots are skipped, so not compared).
+    valid = pad[:, :, None]
+    for layer in range(layers):
+        ref = torch.from_numpy(case.tensors[f"expected.prefix_kv.{layer}.key"])[:, 0]
+        assert ((k[layer, :, :plen] - ref).abs() * valid).max() < 1e-5
