@@ -68,15 +68,38 @@ def policy_config() -> PolicyConfig:
     return PolicyConfig(ModelConfig.full_size(), CAMERAS, state_dim=14, action_dim=14, max_token_len=TOKENS)
 
 
-def make_policy(profile) -> Policy:
+def make_policy(profile, fast_path: bool = True) -> Policy:
     """A full-size random policy, placed and engined as `profile` says (what from_pretrained does after loading)."""
     config = policy_config()
     model = random_model(config.model, torch.bfloat16, "cuda", seed=0)
     q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
     policy = Policy(model, config, Normalization(q, q, "bench"), tokenizer=None, device=torch.device("cuda"),
                     dtype=torch.bfloat16)
-    policy.use_memory_profile(profile)
+    policy.use_memory_profile(profile, fast_path=fast_path)
     return policy
+
+
+def compare_actions() -> dict:
+    """Same weights, inputs and noise at batch 1: every profile's actions against `default` and
+    against the eager model (fast_path=False). Expected: edge-16gb == default bit for bit (same
+    engine); offload == eager bit for bit (same kernels, weights streamed); default vs eager within
+    bf16 rounding (~1e-2, different kernels)."""
+    inputs, noise = make_inputs(1, ModelConfig.full_size().vlm.vocab_size, seed=7)
+    actions = {}
+    for name in ("eager", *PROFILES):
+        policy = make_policy(PROFILES["default" if name == "eager" else name], fast_path=name != "eager")
+        with torch.no_grad():
+            actions[name] = policy._sample(inputs, noise, STEPS, None)[0].float().cpu()
+        del policy
+        release()
+    report = {}
+    for name, a in actions.items():
+        report[name] = {"vs_default_max_abs": float((a - actions["default"]).abs().max()),
+                        "vs_eager_max_abs": float((a - actions["eager"]).abs().max()),
+                        "bit_identical_to_default": bool(torch.equal(a, actions["default"])),
+                        "bit_identical_to_eager": bool(torch.equal(a, actions["eager"]))}
+        log(f"actions {name}:", json.dumps(report[name]))
+    return report
 
 
 def make_inputs(b: int, vocab: int, seed: int):
@@ -395,6 +418,8 @@ def main() -> None:
         for d in out_dirs:
             (d / "bench_memory.json").write_text(json.dumps(results, indent=1))
 
+    results["actions_b1"] = compare_actions()
+    save()
     for name, profile in PROFILES.items():
         results["profiles"][name] = {}
         for cap in caps:
