@@ -29,11 +29,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from vlaserve.config import ModelConfig  # noqa: E402
-from vlaserve.engine.graphs import CudaGraphEngine, flops_per_call, math_floor_ms  # noqa: E402
+from vlaserve.engine.graphs import CudaGraphEngine  # noqa: E402
+from vlaserve.model.pi05 import Pi05Model  # noqa: E402
 from vlaserve.policy import ModelInputs  # noqa: E402
 from vlaserve.weights import random_model, to_lerobot_name  # noqa: E402
 
 CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS = 3, 200, 70, 50, 10
+
+
+def flops_per_call(model: Pi05Model, num_cameras: int, token_len: int, horizon: int, steps: int) -> dict:
+    """Matrix FLOPs of one call at batch 1 (for achieved-rate reporting)."""
+    v, g, e = model.vision.dims, model.vlm.dims, model.expert.dims
+    n_img = num_cameras * v.num_patches
+    vis = 2 * n_img * v.depth * (4 * v.width * v.num_heads * v.head_dim + 2 * v.width * v.mlp_dim) \
+        + 4 * n_img * v.num_patches * v.num_heads * v.head_dim * v.depth
+    p = n_img + token_len
+    qkv = g.width * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+    per_tok = 2 * (qkv + g.num_heads * g.head_dim * g.width + 3 * g.width * g.mlp_dim)
+    prefix = p * per_tok * g.depth + 4 * p * p * g.num_heads * g.head_dim * (g.depth - 1)
+    e_qkv = e.width * (e.num_heads + 2 * e.num_kv_heads) * e.head_dim
+    e_params = e_qkv + e.num_heads * e.head_dim * e.width + 3 * e.width * e.mlp_dim
+    expert_bytes = 2 * e_params * e.depth  # bf16 weights read once per step
+    return {"vision_flop": vis, "prefix_flop": prefix, "expert_weight_bytes_per_step": expert_bytes,
+            "expert_flop_per_step": 2 * horizon * e_params * e.depth + 4 * horizon * (p + horizon) * e.num_heads * e.head_dim * e.depth}
+
+
+def math_floor_ms(flops: dict, steps: int, tflops: float, tbps: float) -> float:
+    compute = (flops["vision_flop"] + flops["prefix_flop"]) / (tflops * 1e12) * 1e3
+    memory = flops["expert_weight_bytes_per_step"] * steps / (tbps * 1e12) * 1e3
+    return compute + memory
 
 
 def log(*args):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.gemma import MASK_VALUE, rope_cos_sin
+from ..model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ..model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
 from . import kernels
 
@@ -182,7 +182,7 @@ class FastPi05:
         for i, lw in enumerate(self.w.vlm):
             x = _rms(h, lw.norm1, dims.rms_norm_eps)
             q, k, v = _split_qkv(F.linear(x, lw.qkv), dims)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[i, :, :plen] = k[:, 0]
             v_cache[i, :, :plen] = v[:, 0]
             if i == len(self.w.vlm) - 1:
@@ -246,7 +246,7 @@ class FastPi05:
         for i, lw in enumerate(self.w.expert):
             x1 = _ada_rms(h, sched.scale1p[step, i, 0], sched.shift[step, i, 0], dims.rms_norm_eps)
             q, k, v = _split_qkv(F.linear(x1, lw.qkv), dims)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[i, :, plen:plen + horizon] = k[:, 0]
             v_cache[i, :, plen:plen + horizon] = v[:, 0]
             # MQA: the 8 query heads share one K/V head, so fold them into one 8x longer query axis.
@@ -299,13 +299,11 @@ class FastPi05:
 
 
 def _rms(x: torch.Tensor, weight1p: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight1p).to(x.dtype)
+    return (rms_normalize(x, eps) * weight1p).to(x.dtype)
 
 
 def _ada_rms(x, scale1p, shift, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * scale1p + shift).to(x.dtype)
+    return (rms_normalize(x, eps) * scale1p + shift).to(x.dtype)
 
 
 def _geglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -319,11 +317,6 @@ def _split_qkv(qkv: torch.Tensor, dims):
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     return (q.view(b, s, hq, d).transpose(1, 2), k.view(b, s, hkv, d).transpose(1, 2),
             v.view(b, s, hkv, d).transpose(1, 2))
-
-
-def _rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 @dataclass
@@ -492,28 +485,3 @@ class CudaGraphEngine:
             buf = self.buffers(b, self.token_len)
             inputs = ModelInputs(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"])
             self.sample(inputs, torch.randn_like(buf["noise"]), num_steps, None)
-
-
-def flops_per_call(model: Pi05Model, num_cameras: int, token_len: int, horizon: int, steps: int) -> dict:
-    """Matrix FLOPs of one call at batch 1 (for achieved-rate reporting)."""
-    v, g, e = model.vision.dims, model.vlm.dims, model.expert.dims
-    n_img = num_cameras * v.num_patches
-    vis = 2 * n_img * v.depth * (4 * v.width * v.num_heads * v.head_dim + 2 * v.width * v.mlp_dim) \
-        + 4 * n_img * v.num_patches * v.num_heads * v.head_dim * v.depth
-    p = n_img + token_len
-    qkv = g.width * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
-    per_tok = 2 * (qkv + g.num_heads * g.head_dim * g.width + 3 * g.width * g.mlp_dim)
-    prefix = p * per_tok * g.depth + 4 * p * p * g.num_heads * g.head_dim * (g.depth - 1)
-    e_qkv = e.width * (e.num_heads + 2 * e.num_kv_heads) * e.head_dim
-    e_params = e_qkv + e.num_heads * e.head_dim * e.width + 3 * e.width * e.mlp_dim
-    expert_bytes = 2 * e_params * e.depth  # bf16 weights read once per step
-    return {"vision_flop": vis, "prefix_flop": prefix, "expert_weight_bytes_per_step": expert_bytes,
-            "expert_flop_per_step": 2 * horizon * e_params * e.depth + 4 * horizon * (p + horizon) * e.num_heads * e.head_dim * e.depth}
-
-
-def math_floor_ms(flops: dict, steps: int, tflops: float, tbps: float) -> float:
-    compute = (flops["vision_flop"] + flops["prefix_flop"]) / (tflops * 1e12) * 1e3
-    memory = flops["expert_weight_bytes_per_step"] * steps / (tbps * 1e12) * 1e3
-    return compute + memory
-
-
