@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_gpu import time_cuda  # noqa: E402
 from vlaserve import Policy  # noqa: E402
 from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.errors import InsufficientMemory  # noqa: E402
@@ -113,20 +114,6 @@ def make_inputs(b: int, vocab: int, seed: int):
     return ModelInputs(images, masks, tokens, token_mask), torch.randn(b, 50, 32, device="cuda", generator=g)
 
 
-def time_calls(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def run_parts(policy: Policy, parts: list) -> None:
     for inputs, noise in parts:
         policy._sample(inputs, noise, STEPS, None)
@@ -168,14 +155,14 @@ def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dic
             copied = policy.offload.bytes_copied if policy.offload is not None else 0
             call()
             copied = policy.offload.bytes_copied - copied if policy.offload is not None else 0
-            times = time_calls(call, warmup=1, iters=iters)
+            timed = time_cuda(call, warmup=1, iters=iters)
         except torch.cuda.OutOfMemoryError as e:  # the estimate was too low: report it, keep going
             runs[b]["oom"] = str(e).splitlines()[0]
             log(f"{profile.name} cap {cap_gib} GiB b={b}: OOM despite the fit check: {runs[b]['oom']}")
             release()
             continue
         runs[b].update(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
-                       p50_ms=statistics.median(times), min_ms=min(times), weight_bytes_streamed_per_call=copied)
+                       p50_ms=timed["p50_ms"], min_ms=timed["min_ms"], weight_bytes_streamed_per_call=copied)
         log(f"{profile.name} cap {cap_gib} GiB b={b}: estimate {runs[b]['estimate']['total'] / GIB:.2f} GiB, "
             f"peak allocated {runs[b]['peak_allocated'] / GIB:.2f} GiB, reserved {runs[b]['peak_reserved'] / GIB:.2f}"
             f" GiB, p50 {runs[b]['p50_ms']:.1f} ms")
