@@ -87,6 +87,7 @@ def test_quantile_eps_rules():
     openpi = QuantileNormalizer(q01, q99, eps=1e-6, always_add_eps=True)
     assert openpi.denom[0] == np.float32(2.0) + np.float32(1e-6)
     y = np.array([0.3, -0.2], np.float32)
+    # normalize(unnormalize(y)): four float32 roundings on values of size ~1, far below 1e-6.
     assert np.allclose(lerobot.normalize(lerobot.unnormalize(y))[:1], y[:1], atol=1e-6)
 
 
@@ -96,7 +97,8 @@ def test_openpi_norm_stats(tmp_path):
     path.write_text(json.dumps({"norm_stats": {"state": stats, "actions": stats}}))
     norm = load_openpi_normalization(path)
     assert norm.source == "openpi" and norm.state.always_add_eps
-    # (1 - 0) / (2 + 1e-6) * 2 - 1, in float32
+    # (1 - 0) / (2 + 1e-6) * 2 - 1 = -5e-7 exactly in reals; float32 rounding of 2 + 1e-6 and of the
+    # result near 1 costs ~6e-8, so 1e-7 separates it from LeRobot's rule (which would give 0).
     assert norm.state.normalize(np.ones(14, np.float32))[0] == pytest.approx(-5e-7, abs=1e-7)
 
 

@@ -231,7 +231,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     from .demo import demo_checkpoint
     from .errors import CheckpointError
     from .memory import PROFILES, counts_by_dtype, estimate_memory, prefix_kv_bytes
-    from .policy import _read_arch_flag, resolve_checkpoint
+    from .policy import resolve_checkpoint
     from .processing.normalize import load_normalization
     from .processing.prompt import find_tokenizer
     from .weights import checkpoint_shapes
@@ -241,7 +241,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     shapes = checkpoint_shapes(directory)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     info = {
-        "checkpoint": str(directory), "is_demo": bool(_read_arch_flag(directory, "demo")), "dtype": dtype,
+        "checkpoint": str(directory), "is_demo": config.is_demo, "dtype": dtype,
         "parameters": {"total": sum(counts_by_dtype(shapes, torch_dtype).values()),
                        "by_dtype": counts_by_dtype(shapes, torch_dtype)},
         "cameras": list(config.cameras), "state_dim": config.state_dim, "action_dim": config.action_dim,

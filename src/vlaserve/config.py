@@ -7,7 +7,7 @@ config.json still names the full-size variants), else from the variant names in 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -74,8 +74,7 @@ class PolicyConfig:
     num_inference_steps: int = 10
     max_token_len: int = 200
     image_resolution: tuple[int, int] = (224, 224)
-    tokenizer_hub_id: str | None = None
-    extra: dict = field(default_factory=dict, compare=False)
+    is_demo: bool = False  # architecture.json says "demo": true (the embedded random-weight demo)
 
     @property
     def action_horizon(self) -> int:
@@ -116,32 +115,6 @@ def model_config_from_architecture(arch: dict, chunk_size: int, max_action_dim: 
     )
 
 
-def architecture_dict(model: ModelConfig) -> dict:
-    """The `architecture.json` schema for `model` (used to write tiny/demo checkpoints)."""
-
-    def gemma(d: GemmaDims) -> dict:
-        return {
-            "width": d.width, "depth": d.depth, "mlp_dim": d.mlp_dim, "num_heads": d.num_heads,
-            "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim, "vocab_size": d.vocab_size,
-            "rms_norm_eps": d.rms_norm_eps, "rope_theta": d.rope_theta, "hidden_act": "gelu_pytorch_tanh",
-        }
-
-    v = model.vision
-    return {
-        "format": "pi05-golden-architecture/1",
-        "vlm": {**gemma(model.vlm), "embed_scale": float(model.vlm.width) ** 0.5},
-        "expert": {**gemma(model.expert), "adarms": True, "adarms_cond_dim": model.expert.width},
-        "vision": {
-            "hidden_size": v.width, "num_layers": v.depth, "num_heads": v.num_heads, "head_dim": v.head_dim,
-            "mlp_dim": v.mlp_dim, "patch_size": v.patch_size, "image_size": v.image_size,
-            "num_patches": v.num_patches, "projection_dim": model.vlm.width, "layer_norm_eps": v.layer_norm_eps,
-            "hidden_act": "gelu_pytorch_tanh", "use_head": False,
-        },
-        "policy": {"time_embedding": {"dim": model.expert.width, "min_period": model.time_min_period,
-                                      "max_period": model.time_max_period}},
-    }
-
-
 def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     """Reads a LeRobot pi05 `config.json` (+ optional `architecture.json`)."""
     cfg = _read_json(checkpoint_dir / "config.json")
@@ -162,8 +135,9 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     chunk_size = int(cfg.get("chunk_size", 50))
     max_action_dim = int(cfg.get("max_action_dim", 32))
     arch_path = checkpoint_dir / "architecture.json"
-    if arch_path.exists():
-        model = model_config_from_architecture(_read_json(arch_path), chunk_size, max_action_dim)
+    arch = _read_json(arch_path) if arch_path.exists() else None
+    if arch is not None:
+        model = model_config_from_architecture(arch, chunk_size, max_action_dim)
     else:
         try:
             vlm = GEMMA_VARIANTS[cfg.get("paligemma_variant", "gemma_2b")]
@@ -186,4 +160,5 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
         num_inference_steps=int(cfg.get("num_inference_steps", 10)),
         max_token_len=int(cfg.get("tokenizer_max_length", 200)),
         image_resolution=(int(resolution[0]), int(resolution[1])),
+        is_demo=bool(arch and arch.get("demo")),
     )

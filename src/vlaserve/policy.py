@@ -163,11 +163,10 @@ class Policy:
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = torch.device("cpu") if profile.offload else torch_device
         model = load_weights(build_model(config.model), directory, DTYPES[dtype], load_device, progress=progress)
-        is_demo = bool(_read_arch_flag(directory, "demo"))
         # A hub snapshot's directory is named after a commit: the hub id names the model better.
         name = str(path_or_id) if not Path(path_or_id).expanduser().is_dir() else directory.name
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
-                     name=name, checkpoint=str(directory), is_demo=is_demo)
+                     name=name, checkpoint=str(directory), is_demo=config.is_demo)
         policy.use_memory_profile(profile, fast_path, background_warmup=warmup == "background")
         policy.load_seconds = time.perf_counter() - started
         return policy
@@ -471,13 +470,6 @@ def _checkpoint_revision(checkpoint: str) -> str:
     directory = Path(checkpoint)
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     return checkpoint + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-
-
-def _read_arch_flag(directory: Path, key: str):
-    import json
-
-    path = directory / "architecture.json"
-    return json.loads(path.read_text()).get(key) if path.exists() else None
 
 
 def _per_item(values, n: int, field: str) -> list:

@@ -278,7 +278,7 @@ def _row_block(rows: int) -> int:
     return max(16, _pow2(min(rows, 64)))
 
 
-def gemm_config(rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
+def gemm_config(n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
     """(BLOCK_N, splits, BLOCK_K): split K until the grid fills about `max_waves` waves."""
     cfg = TUNING["splitk"]
     block_n, block_k = cfg["block_n"], cfg["block_k"]
@@ -289,13 +289,12 @@ def gemm_config(rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int
     return block_n, splits, block_k
 
 
-def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None):
+def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
     r, k = x2d.shape
     n = w.shape[0]
-    block_n, splits, block_k = gemm_config(r, n, k)
-    if out is None:
-        out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
+    block_n, splits, block_k = gemm_config(n, k)
+    out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     block_r = _row_block(r)
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
