@@ -9,14 +9,18 @@ it is what the cap limits. Batch 8 is where edge-16gb differs from default: like
 batch of 8 as two batches of 4.
 
 Part 2, cold start. Writes a full-size LeRobot-layout checkpoint (random weights, ~2 GB shards + index,
-config/processor/tokenizer files from the golden checkpoint), then in fresh subprocesses measures import
-time, weight-load time and throughput, time to first action (Policy.from_pretrained + the first infer,
-fast path on) and the second action's time: once cold (files evicted from the page cache, empty Triton
-cache), once warm (files cached, Triton kernels compiled).
+config/processor/tokenizer files from the golden checkpoint), checks that runai-model-streamer (when
+installed) loads every tensor bit for bit as safetensors does, then in fresh subprocesses measures import
+time, each stage of Policy.from_pretrained (weight-load throughput among them), time to first action
+(from_pretrained + the first infer, fast path on, blocking warm-up) and the second action's time: cold
+(files evicted from the page cache, empty Triton cache) per loader, and with the read-ahead that
+`vlaserve serve` starts; then warm (files cached, Triton kernels compiled).
 
     python bench/bench_memory.py [--out DIR] [--batches 1,4,8] [--caps-gib 16,8] [--iters N] [--skip-cold-start]
+                                 [--skip-profiles] [--workdir DIR --keep-checkpoint]
 
-Writes bench_memory.json and bench_memory.png under bench/results/ and --out (default $OUT).
+Writes bench_memory.json and .png (bench_memory_cold_start.* with --skip-profiles) under bench/results/
+and --out (default $OUT).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -47,7 +52,7 @@ from vlaserve.errors import InsufficientMemory  # noqa: E402
 from vlaserve.memory import GIB, PROFILES, check_fit, cuda_budget  # noqa: E402
 from vlaserve.policy import ModelInputs  # noqa: E402
 from vlaserve.processing.normalize import Normalization, QuantileNormalizer  # noqa: E402
-from vlaserve.weights import build_model, random_model, to_lerobot_name  # noqa: E402
+from vlaserve.weights import build_model, load_weights, random_model, to_lerobot_name  # noqa: E402
 
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 TOKENS, VALID_TOKENS, STEPS = 200, 70, 10
@@ -82,13 +87,14 @@ def make_policy(profile, fast_path: bool = True) -> Policy:
 
 def compare_actions() -> dict:
     """Same weights, inputs and noise at batch 1: every profile's actions against `default` and
-    against the eager model (fast_path=False). Expected: edge-16gb == default bit for bit (same
-    engine); offload == eager bit for bit (same kernels, weights streamed); default vs eager within
-    bf16 rounding (~1e-2, different kernels)."""
+    against the eager model (fast_path=False). Expected: edge-16gb and offload == default bit for bit
+    (same kernels; offload's prefix streams its layers outside graphs); "offload eager" (offload with
+    fast_path=False) == eager bit for bit; default vs eager within bf16 rounding (~1e-2, other kernels)."""
     inputs, noise = make_inputs(1, ModelConfig.full_size().vlm.vocab_size, seed=7)
     actions = {}
-    for name in ("eager", *PROFILES):
-        policy = make_policy(PROFILES["default" if name == "eager" else name], fast_path=name != "eager")
+    runs = {"eager": ("default", False), **{name: (name, True) for name in PROFILES}, "offload eager": ("offload", False)}
+    for name, (profile, fast_path) in runs.items():
+        policy = make_policy(PROFILES[profile], fast_path=fast_path)
         with torch.no_grad():
             actions[name] = policy._sample(inputs, noise, STEPS, None)[0].float().cpu()
         del policy
@@ -225,21 +231,16 @@ def evict_from_page_cache(directory: Path) -> None:
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
+checkpoint, device, loader, ahead = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+if ahead:  # as `vlaserve serve` does: start reading the weight files before the heavy imports
+    from pathlib import Path
+    from vlaserve.files import read_ahead
+    reader = read_ahead(Path(checkpoint))
 import numpy as np
 import torch
-import vlaserve.policy as policy_module
+from vlaserve import Policy
 imported = time.perf_counter()
-weights = {}
-load_weights = policy_module.load_weights
-def timed_load_weights(*args, **kwargs):  # instrumentation only: times the weight read + copy
-    start = time.perf_counter()
-    model = load_weights(*args, **kwargs)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    weights["s"] = time.perf_counter() - start
-    return model
-policy_module.load_weights = timed_load_weights
-policy = policy_module.Policy.from_pretrained(sys.argv[1], device=sys.argv[2], dtype="bfloat16", progress=False)
+policy = Policy.from_pretrained(checkpoint, device=device, dtype="bfloat16", progress=False, weights_loader=loader)
 loaded = time.perf_counter()
 rng = np.random.default_rng(0)
 obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in policy.config.cameras},
@@ -248,17 +249,19 @@ policy.infer(obs, seed=0)
 first = time.perf_counter()
 policy.infer(obs, seed=1)
 second = time.perf_counter()
-print(json.dumps({"import_s": imported - t0, "load_weights_s": weights["s"], "from_pretrained_s": loaded - imported,
+print(json.dumps({"import_s": imported - t0, "from_pretrained_s": loaded - imported,
+                  **{"load_" + k: v for k, v in policy.load_timings.items()},
+                  "read_ahead_s": reader.seconds if ahead and reader else None,
                   "first_infer_s": first - loaded, "time_to_first_action_s": first - imported,
                   "process_to_first_action_s": first - t0, "second_action_ms": (second - first) * 1e3,
                   "fast_path": policy.engine is not None}))
 """
 
 
-def start_once(checkpoint: Path, device: str, env: dict) -> dict:
+def start_once(checkpoint: Path, device: str, env: dict, loader: str, ahead: bool) -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), device], capture_output=True, text=True,
-                          env=env, check=False)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), device, loader, "1" if ahead else "0"],
+                          capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"cold-start child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -266,23 +269,48 @@ def start_once(checkpoint: Path, device: str, env: dict) -> dict:
     return result
 
 
-def cold_start(template: Path, workdir: Path, model_config: ModelConfig, device: str) -> dict:
-    checkpoint = workdir / "pi05-random-full"
-    checkpoint.mkdir(parents=True)
-    started = time.perf_counter()
-    weight_bytes = write_checkpoint(checkpoint, template, model_config, device)
-    out = {"weight_bytes": weight_bytes, "write_s": time.perf_counter() - started,
-           "shards": len(list(checkpoint.glob("model-*.safetensors")))}
-    log(f"checkpoint written: {weight_bytes / 1e9:.2f} GB in {out['shards']} shards, {out['write_s']:.1f} s")
+def compare_loaders(checkpoint: Path, device: str) -> dict:
+    """Every tensor through safetensors and through runai-model-streamer, compared bit for bit."""
+    loaded = {}
+    for loader in ("safetensors", "runai-streamer"):
+        model = load_weights(build_model(ModelConfig.full_size()), checkpoint, torch.bfloat16, torch.device(device),
+                             progress=False, loader=loader)
+        loaded[loader] = dict(model.named_parameters())
+    a, b = loaded["safetensors"], loaded["runai-streamer"]
+    differing = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+    compared = len(a) if a.keys() == b.keys() else None
+    del loaded, a, b
     release()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "TRITON_CACHE_DIR": str(workdir / "triton-cache"), "HF_HUB_OFFLINE": "1"}
-    evict_from_page_cache(checkpoint)
-    for name in ("cold", "warm"):  # cold: pages evicted, Triton cache empty; warm: both filled by the cold start
-        run = start_once(checkpoint, device, env)
-        run["load_gb_per_s"] = weight_bytes / 1e9 / run["load_weights_s"]
-        out[name] = run
-        log(f"{name} start:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()}))
+    return {"tensors_compared": compared, "differing": differing[:10], "bit_identical": compared and not differing}
+
+
+def cold_start(template: Path, workdir: Path, model_config: ModelConfig, device: str) -> dict:
+    """Fresh processes from a cold page cache and an empty Triton cache, per weight loader (and with
+    the read-ahead `vlaserve serve` starts before importing torch); then one warm start."""
+    checkpoint = workdir / "pi05-random-full"
+    if not checkpoint.exists():
+        checkpoint.mkdir(parents=True)
+        write_checkpoint(checkpoint, template, model_config, device)
+    weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("model-*.safetensors"))
+    out = {"weight_file_bytes": weight_bytes, "shards": len(list(checkpoint.glob("model-*.safetensors"))),
+           "page_cache_note": "cold = files evicted with fsync + POSIX_FADV_DONTNEED, empty TRITON_CACHE_DIR"}
+    release()
+    base_env = {**os.environ, "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    runs = [("safetensors", False), ("safetensors", True)]
+    if importlib.util.find_spec("runai_model_streamer") is not None:
+        runs.insert(0, ("runai-streamer", False))  # first: it leaves the page cache cold for the next run
+        out["loaders_bit_identical"] = compare_loaders(checkpoint, device)
+        log("loaders:", json.dumps(out["loaders_bit_identical"]))
+    for loader, ahead in runs:
+        name = f"cold {loader}{' + read-ahead' if ahead else ''}"
+        evict_from_page_cache(checkpoint)
+        env = {**base_env, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-cold-", dir=workdir)}
+        out[name] = start_once(checkpoint, device, env, loader, ahead)
+        log(f"{name}:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out[name].items()}))
+    # Warm: files cached by the safetensors run before, Triton kernels compiled by it.
+    out["warm safetensors"] = start_once(checkpoint, device, env, "safetensors", False)
+    log("warm safetensors:", json.dumps(out["warm safetensors"]))
     return out
 
 
@@ -301,17 +329,21 @@ def print_tables(results: dict) -> None:
                 log(f"| {name} | {cap} GiB | {b} | fits | {r['estimate']['total'] / GIB:.2f} | {measured} |")
     cold = results.get("cold_start")
     if cold:
-        log("\n| start | import s | load weights s | load GB/s | from_pretrained s | first infer s | "
-            "time to first action s | second action ms |")
-        log("|---|---|---|---|---|---|---|---|")
-        for name in ("cold", "warm"):
-            r = cold[name]
-            log(f"| {name} | {r['import_s']:.2f} | {r['load_weights_s']:.2f} | {r['load_gb_per_s']:.2f} | "
-                f"{r['from_pretrained_s']:.2f} | {r['first_infer_s']:.2f} | {r['time_to_first_action_s']:.2f} | "
+        log("\n| start | import s | config s | device s | weights s | GB/s | engine s | from_pretrained s | "
+            "first infer s | process to first action s | second action ms |")
+        log("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, r in cold_runs(cold):
+            log(f"| {name} | {r['import_s']:.2f} | {r['load_config_s']:.2f} | {r['load_device_s']:.2f} | "
+                f"{r['load_weights_s']:.2f} | {r['load_weights_gb_per_s']:.2f} | {r['load_engine_s']:.2f} | "
+                f"{r['from_pretrained_s']:.2f} | {r['first_infer_s']:.2f} | {r['process_to_first_action_s']:.2f} | "
                 f"{r['second_action_ms']:.1f} |")
 
 
-def plot(results: dict, out_dirs: list[Path]) -> None:
+def cold_runs(cold: dict) -> list[tuple[str, dict]]:
+    return [(name, r) for name, r in cold.items() if isinstance(r, dict) and "import_s" in r]
+
+
+def plot(results: dict, out_dirs: list[Path], stem: str) -> None:
     try:
         import matplotlib
 
@@ -358,22 +390,23 @@ def plot(results: dict, out_dirs: list[Path]) -> None:
     ax = axes[len(caps) + 1]
     cold = results.get("cold_start")
     if cold:
-        names = ["cold", "warm"]
-        bottom = np.zeros(2)
-        for key, label in (("import_s", "import"), ("load_weights_s", "load weights"),
-                           ("from_pretrained_s", "rest of from_pretrained"), ("first_infer_s", "first infer")):
-            values = np.array([cold[n][key] for n in names])
-            if key == "from_pretrained_s":
-                values = values - np.array([cold[n]["load_weights_s"] for n in names])
+        runs = cold_runs(cold)
+        names = [name.replace(" + ", "\n+ ").replace(" ", "\n", 1) for name, _ in runs]
+        bottom = np.zeros(len(runs))
+        for key, label in (("import_s", "import"), ("load_config_s", "config + tokenizer"),
+                           ("load_device_s", "CUDA init + fit check"), ("load_weights_s", "load weights"),
+                           ("load_engine_s", "engine (kernels, graphs)"), ("first_infer_s", "first infer")):
+            values = np.array([r[key] for _, r in runs])
             ax.bar(names, values, bottom=bottom, label=label)
             bottom += values
+        ax.tick_params(axis="x", labelsize=7)
         ax.set_ylabel("seconds from process start")
-        ax.set_title("time to first action")
+        ax.set_title("time to first action (in-process API, blocking warm-up)")
         ax.legend(fontsize=7)
     fig.suptitle(f"Pi0.5 memory profiles and cold start on {results.get('gpu', '?')}")
     fig.tight_layout()
     for d in out_dirs:
-        fig.savefig(d / "bench_memory.png", dpi=120, bbox_inches="tight")
+        fig.savefig(d / f"{stem}.png", dpi=120, bbox_inches="tight")
 
 
 def main() -> None:
@@ -386,6 +419,8 @@ def main() -> None:
                     help="checkpoint whose config, processor and tokenizer files the cold-start checkpoint copies")
     ap.add_argument("--workdir", default=None, help="where the cold-start checkpoint is written (default: a temp dir)")
     ap.add_argument("--skip-cold-start", action="store_true")
+    ap.add_argument("--skip-profiles", action="store_true", help="only the cold start (part 2)")
+    ap.add_argument("--keep-checkpoint", action="store_true", help="leave the cold-start checkpoint in --workdir")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_memory needs a CUDA device")
@@ -399,28 +434,31 @@ def main() -> None:
                      "workload": {"cameras": len(CAMERAS), "tokens": TOKENS, "valid_tokens": VALID_TOKENS,
                                   "steps": STEPS, "batches": batches, "caps_gib": caps}, "profiles": {}}
     started = time.time()
+    stem = "bench_memory_cold_start" if args.skip_profiles else "bench_memory"
 
     def save():
         results["elapsed_s"] = time.time() - started
         for d in out_dirs:
-            (d / "bench_memory.json").write_text(json.dumps(results, indent=1))
+            (d / f"{stem}.json").write_text(json.dumps(results, indent=1))
 
-    results["actions_b1"] = compare_actions()
-    save()
-    for name, profile in PROFILES.items():
-        results["profiles"][name] = {}
-        for cap in caps:
-            results["profiles"][name][f"{cap:g}"] = profile_runs(profile, cap, batches, args.iters)
-            save()
+    if not args.skip_profiles:
+        results["actions_b1"] = compare_actions()
+        save()
+        for name, profile in PROFILES.items():
+            results["profiles"][name] = {}
+            for cap in caps:
+                results["profiles"][name][f"{cap:g}"] = profile_runs(profile, cap, batches, args.iters)
+                save()
     if not args.skip_cold_start:
         workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vlaserve-cold-"))
         try:
             results["cold_start"] = cold_start(Path(args.golden), workdir, ModelConfig.full_size(), "cuda")
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            if not args.keep_checkpoint:
+                shutil.rmtree(workdir, ignore_errors=True)
         save()
     print_tables(results)
-    plot(results, out_dirs)
+    plot(results, out_dirs, stem)
     log(f"done in {time.time() - started:.0f} s")
 
 

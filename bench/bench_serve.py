@@ -6,7 +6,7 @@ starts `vlaserve serve CHECKPOINT --device cuda` as a fresh process, and measure
 - p50/p90 wall latency per route at batch 1 (3 uint8 224x224 cameras): HTTP msgpack,
   /v1/actions/realtime, /openpi/policy through the unmodified openpi-client.
 
-    python bench/bench_serve.py [--checkpoint DIR] [--requests N] [--out DIR]
+    python bench/bench_serve.py [--checkpoint DIR] [--cold] [--serve-args "..."] [--label L] [--requests N] [--out DIR]
 
 Needs fastapi/uvicorn/websockets/openpi-client (carried as wheels on the GPU machine).
 """
@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache, empty Triton cache")
+    ap.add_argument("--serve-args", default="", help="more `vlaserve serve` options, e.g. '--weights-loader safetensors'")
+    ap.add_argument("--label", default="", help="suffix of the result file name")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
 
@@ -91,9 +93,11 @@ def main() -> None:
         evict_from_page_cache(Path(checkpoint))
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     results["cold"] = args.cold
+    results["serve_args"] = args.serve_args
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", "serve", str(checkpoint), "--device", args.device,
-                               "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "vlaserve.cli", "serve", str(checkpoint), "--device", args.device,
+               "--port", str(port), *args.serve_args.split()]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while True:
             if server.poll() is not None:
@@ -109,6 +113,7 @@ def main() -> None:
         first = client.infer(observation(rng))
         results["process_to_first_action_s"] = time.perf_counter() - started
         results["first_action_shape"] = list(first["actions"].shape)
+        results["first_action_timing"] = {**first.get("server_timing", {}), **first.get("policy_timing", {})}
         log("time to first served action:", round(results["process_to_first_action_s"], 2), "s")
         while not json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read()).get("fast_path"):
             if time.perf_counter() - started > 240 or args.device != "cuda":
@@ -171,7 +176,7 @@ def main() -> None:
     log(json.dumps({k: v for k, v in results.items() if k != "server_log_tail"}, indent=1))
     for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
         d.mkdir(parents=True, exist_ok=True)
-        (d / f"bench_serve{'_cold' if args.cold else ''}.json").write_text(json.dumps(results, indent=1))
+        (d / f"bench_serve{'_cold' if args.cold else ''}{'_' + args.label if args.label else ''}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # folders to the GPU machine (device tool: carry [".golden", ".whl"]) and run there
 #   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
 #   python3 bench/bench_gpu.py --lerobot          # or bench_memory.py, bench_serve.py
-# .whl: LeRobot 0.6.1 with the versions it needs (transformers 5.4-5.5, not the GPU image's newer one)
-# and the server's packages (fastapi, uvicorn, websockets, openpi-client) that the GPU image lacks.
+# .whl: LeRobot 0.6.1 with the versions it needs (transformers 5.4-5.5, not the GPU image's newer one),
+# the server's packages (fastapi, uvicorn, websockets, openpi-client) that the GPU image lacks, and
+# runai-model-streamer (the optional parallel weight loader, measured against safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
@@ -16,5 +17,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   farama-notifications==0.0.6 mergedeep==1.3.4 toml==0.10.2 \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
   typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 websockets==17.4 \
-  openpi-client==0.1.2
+  openpi-client==0.1.2 runai-model-streamer==0.17.1 humanize==4.17.0
 du -sh .golden .whl

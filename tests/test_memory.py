@@ -12,7 +12,8 @@ from conftest import golden_dir
 from vlaserve import CheckpointError, Policy
 from vlaserve.cli import main
 from vlaserve.config import ModelConfig, PolicyConfig, load_policy_config
-from vlaserve.engine.offload import STREAMED_PREFIXES, LayerOffload
+from vlaserve.engine.graphs import FastPi05
+from vlaserve.engine.offload import ALIGN, STREAMED_PREFIXES, LayerOffload
 from vlaserve.errors import InsufficientMemory
 from vlaserve.golden import GoldenCase, case_dirs
 from vlaserve.memory import GIB, PROFILES, check_fit, estimate_memory, get_profile, gib, given_budget
@@ -86,14 +87,54 @@ def test_offload_streams_each_layer_through_two_slots():
     assert len(seen) == 2 * (5 * 6 + 4 * 7 + 3) and all(seen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_under_offload_gives_the_resident_fast_paths_actions(dtype):
+    """The CUDA fast path streams the layers too (its stock-kernel math runs here): its fused Q/K/V and
+    gate/up matrices must be views of the slots (no copy), and the actions the resident ones'."""
+    config = tiny_config(depth=3)
+    resident = random_model(config.model, dtype, "cpu", seed=5)
+    streamed_model = copy.deepcopy(resident)
+    offload = LayerOffload(streamed_model, torch.device("cpu"))
+    fast = {"resident": FastPi05(resident, use_triton=False),
+            "offload": FastPi05(streamed_model, use_triton=False, layer_stream=offload)}
+    for i, lw in enumerate(fast["offload"].w.vlm):
+        for fused in (lw.qkv, lw.gate_up):
+            assert fused.untyped_storage().data_ptr() == offload.vlm.slots[i % 2][0].data_ptr()
+    for i, (qkv, _) in enumerate(fast["offload"].w.vision_qkv):
+        assert qkv.untyped_storage().data_ptr() == offload.vision.slots[i % 2][0].data_ptr()
+
+    gen = torch.Generator().manual_seed(1)
+    b, n, token_len = 2, 2, 12
+    images = torch.rand(b, n, 3, 224, 224, generator=gen) * 2 - 1
+    image_masks = torch.tensor([[True, True], [True, False]])
+    tokens = torch.randint(0, 1000, (b, token_len), generator=gen)
+    token_mask = torch.arange(token_len)[None] < torch.tensor([[12], [7]])
+    noise = torch.randn(b, 50, 32, generator=gen)
+    plen = n * config.model.vision.num_patches + token_len
+    cache_len = -(-(plen + 50) // 64) * 64
+    actions = {}
+    with torch.no_grad():
+        for name, f in fast.items():
+            for call in range(2):  # the second pass starts with the last layers still in their slots
+                k = torch.zeros(len(f.w.vlm), b, cache_len, config.model.vlm.head_dim, dtype=dtype)
+                v = torch.zeros_like(k)
+                pad = f.prefix(images, image_masks, tokens, token_mask, k, v, n)
+                actions[name, call] = f.denoise(pad, noise, f.schedule(3), k, v)
+    for call in range(2):
+        assert torch.equal(actions["offload", call], actions["resident", call])  # same kernels, same order
+    # Three layers over two slots: a pass ends with layers 2 and 1 in the slots, so the next one finds
+    # layer 1 still in place and copies two layers per stack, the first pass three.
+    assert offload.bytes_copied == (3 + 2) * (offload.vision.layer_bytes + offload.vlm.layer_bytes)
+
+
 def test_estimate_matches_what_offload_allocates():
     config = tiny_config(depth=3)
     model = random_model(config.model, torch.bfloat16, "cpu")
     estimate = estimate_memory(shapes_of(config.model), config, torch.bfloat16, PROFILES["offload"])
     offload = LayerOffload(model, torch.device("cpu"))
-    streamed = [p for n, p in model.named_parameters() if n.startswith(STREAMED_PREFIXES)]
-    # The slots pack each parameter at a 256-byte boundary: at most 255 bytes of padding per tensor and slot.
-    per_slot_padding = 255 * len(streamed) // config.model.vision.depth
+    streamed = [p for n, p in model.named_parameters() if n.startswith(STREAMED_PREFIXES) and p.dim() >= 2]
+    # The slots pack each matrix at an ALIGN-byte boundary: at most ALIGN - 1 bytes of padding per tensor and slot.
+    per_slot_padding = (ALIGN - 1) * len(streamed) // config.model.vision.depth
     assert 0 <= offload.slot_bytes - estimate.offload_slots <= 2 * per_slot_padding
     assert estimate.host_pinned == sum(p.numel() * p.element_size() for p in streamed)
 
@@ -143,6 +184,24 @@ def test_from_pretrained_refuses_before_loading_any_weight(golden, monkeypatch):
     policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
                                     memory_budget=2 * GIB, max_batch_size=8)
     assert policy.metadata["memory_profile"] == "default"
+
+
+def test_offload_is_refused_when_the_host_cannot_pin_its_layers(golden, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the host check refused")
+
+    config = load_policy_config(golden / "checkpoint")
+    pinned = estimate_memory(shapes_of(config.model), config, torch.float32, PROFILES["offload"], 1).host_pinned
+    assert pinned > 0
+    monkeypatch.setattr("vlaserve.memory.available_memory_bytes", lambda: pinned - 1)
+    monkeypatch.setattr("vlaserve.policy.load_weights", no_loading)
+    with pytest.raises(InsufficientMemory, match=r"keeps .* pinned in host memory, but only"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                               memory_profile="offload", memory_budget=2 * GIB)
+    # The resident profiles pin nothing on the host: not refused for it.
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                               memory_budget=2 * GIB)
 
 
 def test_unknown_profile_is_refused():

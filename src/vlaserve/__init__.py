@@ -1,7 +1,16 @@
 """vlaserve: a fast, exact serving runtime for the Pi0.5 robot policy."""
 
 from .errors import CheckpointError, InvalidObservation, VlaserveError
-from .policy import InferenceResult, Policy
 
 __all__ = ["Policy", "InferenceResult", "CheckpointError", "InvalidObservation", "VlaserveError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Policy pulls in torch (~5 s on a GPU machine); importing it lazily lets `vlaserve serve` start
+    # reading the checkpoint (vlaserve.files) before that import.
+    if name in ("Policy", "InferenceResult"):
+        from . import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module 'vlaserve' has no attribute {name!r}")

@@ -8,8 +8,10 @@ import json
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
+
+from .errors import VlaserveError
+from .files import WEIGHT_LOADERS, ReadAhead, read_ahead
 
 log = logging.getLogger("vlaserve")
 
@@ -28,6 +30,8 @@ SERVE_OPTIONS: dict[str, tuple[type, object, str, str]] = {
                        "default, edge-16gb or offload: where the weights live, what the engine keeps (docs/memory.md)"),
     "warmup": (str, "background", "MODE",
                "CUDA: background (serve with the eager model until kernels and graphs are ready) or blocking"),
+    "weights_loader": (str, "safetensors", "LOADER",
+                       "safetensors (mmap, read ahead while starting) or runai-streamer (pip install 'vlaserve[runai]')"),
     "prefix_cache": (int, 0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)"),
     "prompt_buckets": (str, None, "L1,L2",
                        "pad prompts only to the smallest of these token lengths that fits (speed; docs/gpu.md)"),
@@ -118,6 +122,8 @@ def serve_options(cli: dict) -> dict:
         raise UsageError(f"port {options['port']} is out of range")
     if options["warmup"] not in ("background", "blocking"):
         raise UsageError("warmup must be background or blocking")
+    if options["weights_loader"] not in WEIGHT_LOADERS:
+        raise UsageError(f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}")
     if options["prefix_cache"] < 0:
         raise UsageError("prefix_cache must not be negative")
     if options["prompt_buckets"] and not all(b.strip().isdigit() for b in options["prompt_buckets"].split(",")):
@@ -148,26 +154,25 @@ def serve_command(cli: dict) -> int:
     except UsageError as e:
         log.error("%s", e)
         return 2
+    read_checkpoint_ahead(options)
 
     import uvicorn
 
     from . import Policy
     from .demo import demo_checkpoint
-    from .errors import VlaserveError
     from .server import ServerSettings, create_app
     from .server.aliases import camera_aliases
 
     try:
         checkpoint = options["checkpoint"] or demo_checkpoint()
-        load_started = time.perf_counter()
         policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
                                         tokenizer=options["tokenizer"], memory_profile=options["memory_profile"],
-                                        max_batch_size=options["max_batch_size"], warmup=options["warmup"])
+                                        max_batch_size=options["max_batch_size"], warmup=options["warmup"],
+                                        weights_loader=options["weights_loader"])
         if options["prefix_cache"]:
             policy.enable_prefix_cache(options["prefix_cache"])
         if options["prompt_buckets"]:
             policy.set_prompt_buckets(int(b) for b in options["prompt_buckets"].split(","))
-        load_seconds = time.perf_counter() - load_started
         aliases = camera_aliases(options["camera_aliases"])
     except (VlaserveError, ValueError, OSError) as e:
         log.error("%s", e)
@@ -185,7 +190,7 @@ def serve_command(cli: dict) -> int:
                               max_batch_size=max_batch_size, batch_delay_ms=options["batch_delay_ms"],
                               camera_aliases=aliases)
     app = create_app(policy, settings)
-    log_startup(policy, options, load_seconds)
+    log_startup(policy, options)
     server = uvicorn.Server(uvicorn.Config(
         app, host=options["host"], port=options["port"], log_config=None, access_log=False,
         ws_max_size=max_payload_bytes, timeout_graceful_shutdown=None,
@@ -205,7 +210,19 @@ def serve_command(cli: dict) -> int:
     return 0 if server.started else 1
 
 
-def log_startup(policy, options: dict, load_seconds: float) -> None:
+def read_checkpoint_ahead(options: dict) -> ReadAhead | None:
+    """For a local checkpoint read through safetensors' mmap, starts pulling the weight files into
+    the page cache now, while torch and the server are imported (vlaserve.files.ReadAhead)."""
+    checkpoint = options["checkpoint"]
+    if options["weights_loader"] != "safetensors" or not checkpoint or not Path(checkpoint).expanduser().is_dir():
+        return None  # runai-streamer reads in parallel itself; the demo is tiny; a hub id is resolved later
+    try:
+        return read_ahead(Path(checkpoint).expanduser())
+    except (VlaserveError, OSError):
+        return None  # from_pretrained reports the same problem with its context
+
+
+def log_startup(policy, options: dict) -> None:
     m = policy.metadata
     host = f"[{options['host']}]" if ":" in options["host"] else options["host"]
     if m["is_demo"]:
@@ -215,8 +232,12 @@ def log_startup(policy, options: dict, load_seconds: float) -> None:
         log.warning("*" * 72)
     counts = ", ".join(f"{n:,} {dtype}" for dtype, n in m["parameter_counts"].items())
     log.info("model %s%s from %s", m["model"], " (DEMO)" if m["is_demo"] else "", m["checkpoint"])
-    log.info("dtype %s, device %s, memory profile %s, parameters: %s; loaded in %.2f s", m["dtype"], m["device"],
-             m["memory_profile"], counts, load_seconds)
+    log.info("dtype %s, device %s, memory profile %s, parameters: %s", m["dtype"], m["device"],
+             m["memory_profile"], counts)
+    t = policy.load_timings
+    log.info("loaded in %.2f s: config %.2f s, device %.2f s, weights %.2f s (%.2f GB at %.2f GB/s, %s), engine %.2f s",
+             t["total_s"], t["config_s"], t["device_s"], t["weights_s"], t["weight_bytes"] / 1e9,
+             t["weights_gb_per_s"], t["weights_loader"], t["engine_s"])
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
     log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s",
@@ -231,7 +252,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     from .demo import demo_checkpoint
     from .errors import CheckpointError
     from .memory import PROFILES, counts_by_dtype, estimate_memory, prefix_kv_bytes
-    from .policy import resolve_checkpoint
+    from .files import resolve_checkpoint
     from .processing.normalize import load_normalization
     from .processing.prompt import find_tokenizer
     from .weights import checkpoint_shapes
@@ -310,7 +331,6 @@ def format_info(info: dict) -> str:
 
 def info_command(cli: dict) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .errors import VlaserveError
 
     if cli["max_batch_size"] < 1:
         log.error("max_batch_size must be at least 1")

@@ -6,8 +6,9 @@ A profile says where the weights live and how much the engine may keep (docs/mem
 - edge-16gb: resident too; graphs only for batches of at most 4. The server never forms a larger
   batch (its max batch size is capped); a larger batch from a library caller runs the same kernels
   without graphs. The prefix cache, when enabled, holds fewer entries.
-- offload: the vision tower's and the VLM's layers stay in pinned host memory and stream through two
-  device slots per stack on every call (engine/offload.py); eager model, no graphs.
+- offload: the vision tower's and the VLM's layer matrices stay in pinned host memory and stream
+  through two device slots per stack on every call (engine/offload.py); on CUDA the fast path runs,
+  the prefix outside CUDA graphs.
 
 The estimate is weights + offload slots + K/V cache and static buffers + activations + a fixed
 headroom, from the checkpoint's tensor shapes (safetensors headers) and the policy's sizes; the
@@ -27,8 +28,9 @@ from pathlib import Path
 import torch
 
 from .config import PolicyConfig
-from .engine.offload import STREAMED_PREFIXES
+from .engine.offload import STREAMED_PREFIXES, streamed
 from .errors import CheckpointError, InsufficientMemory
+from .files import available_memory_bytes
 from .weights import checkpoint_shapes, param_dtype
 
 log = logging.getLogger(__name__)
@@ -160,14 +162,14 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     """Device bytes for serving batches of up to `batch_size` under `profile`.
 
     `shapes` maps our parameter names to shapes (weights.checkpoint_shapes, or a model's). `fast_path`:
-    whether the CUDA graph engine runs where the profile allows it (never under offload).
+    whether the CUDA graph engine runs (on CUDA, unless the caller turned it off).
     """
     device_bytes = host_bytes = 0
     layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
     for name, shape in shapes.items():
         n = math.prod(shape) * param_dtype(name, dtype).itemsize
         stack = next((prefix for prefix in STREAMED_PREFIXES if name.startswith(prefix)), None)
-        if profile.offload and stack is not None:
+        if profile.offload and streamed(name, shape):
             host_bytes += n
             layer_bytes[stack + name[len(stack):].split(".", 1)[0]] += n
         else:
@@ -176,7 +178,7 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     slots = 2 * sum(max((n for key, n in layer_bytes.items() if key.startswith(stack)), default=0)
                     for stack in STREAMED_PREFIXES)
 
-    graphs = fast_path and not profile.offload
+    graphs = fast_path  # under offload, too: only the prefix runs outside graphs there
     batch = min(batch_size, profile.max_graph_batch or batch_size)
     itemsize = dtype.itemsize
     # The graph engine keeps buffers for every batch size it has run, 1..B; eager code only the current call's.
@@ -253,4 +255,15 @@ def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torc
                        fast_path and device.type == "cuda")
     log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", profile.name,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
+    check_host_fit(needed, available_memory_bytes())
     return needed
+
+
+def check_host_fit(needed: MemoryEstimate, available: int | None) -> None:
+    """Offload pins its streamed layers in host memory: refuse at startup when the host has less
+    available (MemAvailable) than that, rather than swap or be killed while loading."""
+    if needed.host_pinned and available is not None and needed.host_pinned > available:
+        raise InsufficientMemory(
+            f"memory profile {needed.profile!r} keeps {gib(needed.host_pinned)} of layers pinned in host memory, "
+            f"but only {gib(available)} of host memory is available; free host memory or use a device that "
+            "holds the model with --memory-profile edge-16gb")

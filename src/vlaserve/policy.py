@@ -18,6 +18,7 @@ import torch
 
 from .config import PolicyConfig, load_policy_config
 from .errors import CheckpointError, InvalidObservation
+from .files import check_weight_loader, resolve_checkpoint
 from .memory import PROFILES, MemoryProfile, check_before_loading, get_profile
 from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
 from .processing.images import bytes_to_model_range, empty_image, prepare_image
@@ -90,21 +91,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def resolve_checkpoint(path_or_id: str | Path) -> Path:
-    """A local directory, or a Hugging Face hub id fetched through huggingface_hub."""
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    text = str(path_or_id)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise CheckpointError(f"checkpoint {text!r} is not a directory (nor a hub id of the form owner/name)")
-    try:
-        from huggingface_hub import snapshot_download
+class StageTimer:
+    """Seconds per named stage, each measured from the end of the one before."""
 
-        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "assets/**"]))
-    except Exception as e:  # offline, gated, unknown repo: all end here with the reason
-        raise CheckpointError(f"could not fetch {text!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                              "Offline? Download it elsewhere and pass the local directory.") from None
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.stages: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages[stage], self.last = now - self.last, now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started
 
 
 def _sync(device: torch.device) -> None:
@@ -121,7 +120,7 @@ class Policy:
         self.state_norm = normalization.state.cut(config.state_dim)
         self.action_norm = normalization.action.cut(config.action_dim)
         self.name, self.checkpoint, self.is_demo = name, checkpoint, is_demo
-        self.load_seconds = 0.0
+        self.load_timings: dict = {}  # set by from_pretrained: seconds per stage, weight bytes, GB/s
         self.engine = None  # set by enable_fast_path (CUDA)
         self.device_lock = threading.RLock()
         self.prefix_cache = None  # set by enable_prefix_cache
@@ -134,7 +133,8 @@ class Policy:
     def from_pretrained(cls, path_or_id: str | Path, device: str = "auto", dtype: str = "auto",
                         tokenizer: str | Path | None = None, progress: bool = True,
                         fast_path: bool = True, memory_profile: str = "default", max_batch_size: int = 1,
-                        memory_budget: int | None = None, warmup: str = "blocking") -> "Policy":
+                        memory_budget: int | None = None, warmup: str = "blocking",
+                        weights_loader: str = "safetensors") -> "Policy":
         """Loads a LeRobot/OpenPI Pi0.5 checkpoint. On CUDA the graph-captured fast path is used
         unless `fast_path=False` (the eager model then runs, as on the CPU). `dtype` "auto":
         bfloat16 on CUDA, float32 on the CPU.
@@ -147,40 +147,53 @@ class Policy:
         `memory_profile`: default, edge-16gb or offload (vlaserve.memory). Before any weight loads, the
         profile's estimated device memory for batches of up to `max_batch_size` is checked against
         what the process may use on CUDA (or against `memory_budget` bytes, on any device), and
-        InsufficientMemory names the numbers and the profiles that would fit."""
-        started = time.perf_counter()
+        InsufficientMemory names the numbers and the profiles that would fit.
+
+        `weights_loader`: safetensors (mmap) or runai-streamer (runai-model-streamer's parallel reads;
+        same tensors bit for bit). `load_timings` then says where the time went."""
+        timings = StageTimer()
         if warmup not in ("blocking", "background"):
             raise ValueError(f"warmup must be 'blocking' or 'background', not {warmup!r}")
         torch_device = resolve_device(device)
         dtype = resolve_dtype(dtype, torch_device)
+        loader = check_weight_loader(weights_loader)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
         normalization = load_normalization(directory)
         prompt_tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, tokenizer))
         profile = get_profile(memory_profile)
+        timings.mark("config_s")
         check_before_loading(directory, config, DTYPES[dtype], profile, torch_device, max_batch_size, memory_budget,
                              fast_path)
+        timings.mark("device_s")  # CUDA initialization, mostly
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = torch.device("cpu") if profile.offload else torch_device
-        model = load_weights(build_model(config.model), directory, DTYPES[dtype], load_device, progress=progress)
+        model = load_weights(build_model(config.model), directory, DTYPES[dtype], load_device, progress=progress,
+                             loader=loader)
+        _sync(load_device)
+        timings.mark("weights_s")
         # A hub snapshot's directory is named after a commit: the hub id names the model better.
         name = str(path_or_id) if not Path(path_or_id).expanduser().is_dir() else directory.name
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
                      name=name, checkpoint=str(directory), is_demo=config.is_demo)
         policy.use_memory_profile(profile, fast_path, background_warmup=warmup == "background")
-        policy.load_seconds = time.perf_counter() - started
+        timings.mark("engine_s")
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        policy.load_timings = {**timings.stages, "total_s": timings.total(), "weights_loader": loader,
+                               "weight_bytes": weight_bytes,
+                               "weights_gb_per_s": weight_bytes / 1e9 / max(timings.stages["weights_s"], 1e-9)}
         return policy
 
     def use_memory_profile(self, profile: MemoryProfile, fast_path: bool = True,
                            background_warmup: bool = False) -> None:
         """Places the weights and picks the engine as `profile` says; on CUDA with `fast_path`, the
-        graph engine (not under offload), warmed up at batch 1."""
+        graph engine (under offload too, its prefix streaming the layers), warmed up at batch 1."""
         self.memory_profile = profile
         if profile.offload:
             from .engine.offload import LayerOffload
 
             self.engine, self.offload = None, LayerOffload(self.model, self.device)
-        elif fast_path and self.device.type == "cuda":
+        if fast_path and self.device.type == "cuda":
             self.enable_fast_path(max_graph_batch=profile.max_graph_batch, background_warmup=background_warmup)
 
     def enable_fast_path(self, use_graphs: bool = True, use_triton: bool = True,
@@ -194,12 +207,11 @@ class Policy:
 
         if self.device.type != "cuda":
             raise ValueError("the fast path needs a CUDA device; the eager model serves on the CPU")
-        if self.offload is not None:
-            raise ValueError("the fast path needs resident weights; the offload memory profile runs the eager model")
         c = self.config
         engine = CudaGraphEngine(self.model, num_cameras=len(c.cameras), token_len=c.max_token_len,
                                  horizon=c.action_horizon, use_graphs=use_graphs, use_triton=use_triton,
-                                 max_graph_batch=max_graph_batch, capture_lock=self.device_lock)
+                                 max_graph_batch=max_graph_batch, capture_lock=self.device_lock,
+                                 layer_stream=self.offload)
         if not warmup:
             self.engine = engine
         elif background_warmup:

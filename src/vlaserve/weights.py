@@ -7,7 +7,6 @@ that names the keys; a partially random model is never served.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig, model_config_from_architecture
 from .errors import CheckpointError
+from .files import check_weight_loader, checkpoint_files
 from .model.pi05 import Pi05Model
 
 _PG = "paligemma_with_expert.paligemma.model."
@@ -102,24 +102,6 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
-    single = checkpoint_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    index = checkpoint_dir / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (checkpoint_dir / s).exists()]
-        if missing:
-            raise CheckpointError(f"{index} names shards that are missing: {missing}")
-        return [checkpoint_dir / s for s in shards]
-    shards = sorted(checkpoint_dir.glob("*.safetensors"))
-    shards = [s for s in shards if "processor" not in s.name]
-    if not shards:
-        raise CheckpointError(f"{checkpoint_dir} holds no model.safetensors (or shards + index)")
-    return shards
-
-
 def checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape for every tensor Pi0.5 uses, from the safetensors headers only
     (nothing is read from the data). A head-only tied embedding counts as the embedding."""
@@ -144,21 +126,41 @@ def _format_keys(keys, limit: int = 12) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def _read_safetensors(by_file: dict[Path, list[str]]):
+    """(checkpoint key, tensor) for the wanted keys, one tensor at a time through mmap."""
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                yield key, f.get_tensor(key)
+
+
+def _read_runai(by_file: dict[Path, list[str]]):
+    """(checkpoint key, tensor) through runai-model-streamer: many parallel reads into host buffers."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    with SafetensorsStreamer() as streamer:
+        wanted = {key for keys in by_file.values() for key in keys}
+        streamer.stream_files([str(p) for p in by_file], device="cpu", tensor_names=wanted)
+        yield from streamer.get_tensors()
+
+
 def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
-                 progress: bool = True) -> Pi05Model:
+                 progress: bool = True, loader: str = "safetensors") -> Pi05Model:
     """Fills `model` (built on the meta device) from safetensors, strictly.
 
-    Tensors are read one at a time through mmap, cast and moved, so no full-precision copy of
-    the model ever sits in host memory.
+    Every name and shape is checked against the headers before any data is read. Tensors then
+    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are cast
+    and moved, so no full-precision copy of the model ever sits in host memory.
     """
     expected = {n: p for n, p in model.named_parameters()}
     sources: dict[str, tuple[Path, str]] = {}
     lm_head: tuple[Path, str] | None = None
-    unexpected = []
-    files = checkpoint_files(checkpoint_dir)
-    for path in files:
+    unexpected, wrong_shape = [], []
+    shapes: dict[tuple[Path, str], tuple[int, ...]] = {}
+    for path in checkpoint_files(checkpoint_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
+                shapes[path, key] = tuple(f.get_slice(key).get_shape())
                 if canonical_lerobot_name(key) == LM_HEAD:
                     lm_head = (path, key)
                 ours = to_our_name(key)
@@ -179,27 +181,24 @@ def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, dev
         if unexpected:
             parts.append(f"unexpected tensors: {_format_keys(unexpected)}")
         raise CheckpointError(f"{checkpoint_dir} does not match the Pi0.5 architecture; " + "; ".join(parts))
-
-    by_file: dict[Path, list[str]] = {}
-    for ours, (path, _) in sources.items():
-        by_file.setdefault(path, []).append(ours)
-    loaded: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress)
-    wrong_shape = []
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for ours in names:
-                key = sources[ours][1]
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(expected[ours].shape):
-                    wrong_shape.append(f"{key}: checkpoint {list(shape)} vs model {list(expected[ours].shape)}")
-                    bar.update()
-                    continue
-                loaded[ours] = f.get_tensor(key).to(device=device, dtype=param_dtype(ours, dtype))
-                bar.update()
-    bar.close()
+    for ours, source in sources.items():
+        if shapes[source] != tuple(expected[ours].shape):
+            wrong_shape.append(f"{source[1]}: checkpoint {list(shapes[source])} vs model {list(expected[ours].shape)}")
     if wrong_shape:
         raise CheckpointError(f"{checkpoint_dir}: tensors of the wrong shape: " + "; ".join(wrong_shape[:12]))
+
+    by_file: dict[Path, list[str]] = {}
+    ours_of: dict[str, str] = {}
+    for ours, (path, key) in sources.items():
+        by_file.setdefault(path, []).append(key)
+        ours_of[key] = ours
+    read = {"safetensors": _read_safetensors, "runai-streamer": _read_runai}[check_weight_loader(loader)]
+    loaded: dict[str, torch.Tensor] = {}
+    with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for key, tensor in read(by_file):
+            ours = ours_of[key]
+            loaded[ours] = tensor.to(device=device, dtype=param_dtype(ours, dtype))
+            bar.update()
     model.load_state_dict(loaded, strict=True, assign=True)
     return model
 

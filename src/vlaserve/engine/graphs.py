@@ -24,10 +24,28 @@ from ..model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weigh
 from . import kernels
 
 
-def _fuse(*linears, bias: bool = False) -> torch.Tensor:
-    """Concatenates the layers' weights (or biases) into one tensor and re-points each layer's
-    parameter at its slice, so the fused copy is the only copy (no extra memory)."""
+def _adjacent_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose row slices `parts` already are (back to back in one storage), or None."""
+    first = parts[0]
+    for a, b in zip(parts, parts[1:]):
+        if (b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or b.dtype != a.dtype
+                or b.shape[1:] != a.shape[1:] or not (a.is_contiguous() and b.is_contiguous())
+                or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size()):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _fuse(*linears, bias: bool = False, views_only: bool = False) -> torch.Tensor:
+    """The layers' weights (or biases) as one tensor whose slices the layers' parameters are, so the
+    fused tensor is the only copy: their span when they already lie back to back (offload slots),
+    else a concatenation the parameters are re-pointed into (`views_only` forbids that)."""
     parts = [lin.bias if bias else lin.weight for lin in linears]
+    span = _adjacent_span([p.data for p in parts])
+    if span is not None:
+        return span
+    if views_only:
+        raise ValueError("fused weights must alias the offload slots, but the parts are not adjacent there")
     fused = torch.cat([p.data for p in parts], dim=0)
     offset = 0
     for p in parts:
@@ -48,17 +66,18 @@ class LayerWeights:
 
 class FusedWeights:
     @staticmethod
-    def of(model: Pi05Model) -> "FusedWeights":
+    def of(model: Pi05Model, views_only: bool = False) -> "FusedWeights":
         """One fusion per model: a second engine on the same model shares it instead of copying."""
         if getattr(model, "_fused_weights", None) is None:
-            model._fused_weights = FusedWeights(model)
+            model._fused_weights = FusedWeights(model, views_only)
         return model._fused_weights
 
-    def __init__(self, model: Pi05Model):
+    def __init__(self, model: Pi05Model, views_only: bool = False):
         def layer(lyr, ada: bool) -> LayerWeights:
             a, m = lyr.self_attn, lyr.mlp
             return LayerWeights(
-                qkv=_fuse(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj.weight, gate_up=_fuse(m.gate_proj, m.up_proj),
+                qkv=_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only and not ada), o=a.o_proj.weight,
+                gate_up=_fuse(m.gate_proj, m.up_proj, views_only=views_only and not ada),
                 down=m.down_proj.weight,
                 norm1=None if ada else (1.0 + lyr.input_layernorm.weight.float()),
                 norm2=None if ada else (1.0 + lyr.post_attention_layernorm.weight.float()))
@@ -68,7 +87,8 @@ class FusedWeights:
         self.vision_qkv = []
         for lyr in model.vision.layers:
             a = lyr.self_attn
-            self.vision_qkv.append((_fuse(a.q_proj, a.k_proj, a.v_proj), _fuse(a.q_proj, a.k_proj, a.v_proj, bias=True)))
+            self.vision_qkv.append((_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only),
+                                    _fuse(a.q_proj, a.k_proj, a.v_proj, bias=True)))
 
 
 class TimeSchedule:
@@ -93,11 +113,17 @@ class TimeSchedule:
 
 
 class FastPi05:
-    """Pi05Model's function over static buffers; every method is CUDA-graph safe."""
+    """Pi05Model's function over static buffers; every method is CUDA-graph safe, except the prefix
+    when `layer_stream` (the offload profile's LayerOffload) streams its layers in."""
 
-    def __init__(self, model: Pi05Model, use_triton: bool = True):
+    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None):
         self.model = model
-        self.w = FusedWeights.of(model)
+        self.layer_stream = layer_stream
+        if layer_stream is None:
+            self.w = FusedWeights.of(model)
+        else:
+            with layer_stream.slot_views():
+                self.w = FusedWeights.of(model, views_only=True)
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
         self.dtype = model.vlm.dtype
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
@@ -110,6 +136,10 @@ class FastPi05:
         return self._schedules[num_steps]
 
     # ---- prefix ---------------------------------------------------------------------------
+    def _enter(self, stack: str, i: int) -> None:
+        if self.layer_stream is not None:
+            self.layer_stream.enter(stack, i)
+
     def vision(self, images: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> post-layernorm features [N, patches, W] (model dtype)."""
         vis = self.model.vision
@@ -119,7 +149,8 @@ class FastPi05:
         n, p, _ = x.shape
         if self.use_triton:
             return self._vision_triton(x.view(n * p, -1), n, p).view(n, p, -1)
-        for lyr, (qkv_w, qkv_b) in zip(vis.layers, self.w.vision_qkv):
+        for i, (lyr, (qkv_w, qkv_b)) in enumerate(zip(vis.layers, self.w.vision_qkv)):
+            self._enter("vision", i)
             y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm1.weight, lyr.layer_norm1.bias, d.layer_norm_eps)
             attn = self._vision_attention(F.linear(y.to(self.dtype), qkv_w, qkv_b), n, p)
             x = x + lyr.self_attn.out_proj(attn)
@@ -140,7 +171,8 @@ class FastPi05:
         norms = [lyr.layer_norm1 for lyr in vis.layers[1:]] + [vis.post_layernorm]
         ln = vis.layers[0].layer_norm1
         y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps)
-        for lyr, (qkv_w, qkv_b), next_ln in zip(vis.layers, self.w.vision_qkv, norms):
+        for i, (lyr, (qkv_w, qkv_b), next_ln) in enumerate(zip(vis.layers, self.w.vision_qkv, norms)):
+            self._enter("vision", i)
             attn = self._vision_attention(F.linear(y, qkv_w, qkv_b), n, p)
             ln = lyr.layer_norm2
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, delta=lyr.self_attn.out_proj(attn))
@@ -180,6 +212,7 @@ class FastPi05:
         b, plen, _ = h.shape
         bias = torch.where(pad[:, None, :] & pad[:, :, None], 0.0, MASK_VALUE).to(self.dtype)[:, None]
         for i, lw in enumerate(self.w.vlm):
+            self._enter("vlm", i)
             x = _rms(h, lw.norm1, dims.rms_norm_eps)
             q, k, v = _split_qkv(F.linear(x, lw.qkv), dims)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -205,6 +238,7 @@ class FastPi05:
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
         for i, lw in enumerate(layers):
+            self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
             q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
             if i == len(layers) - 1:
@@ -360,13 +394,14 @@ class CudaGraphEngine:
     """Runs Policy batches through FastPi05 captured in CUDA graphs.
 
     Static buffers and graphs exist per (batch size, prompt length); a prompt length other than
-    the checkpoint's comes only from opt-in prompt-length buckets.
+    the checkpoint's comes only from opt-in prompt-length buckets. With a `layer_stream` (offload)
+    the prefix runs the same kernels outside graphs, as its weights arrive layer by layer.
     """
 
     def __init__(self, model: Pi05Model, num_cameras: int, token_len: int, horizon: int,
                  use_graphs: bool = True, use_triton: bool = True, max_graph_batch: int | None = None,
-                 capture_lock=None):
-        self.fast = FastPi05(model, use_triton=use_triton)
+                 capture_lock=None, layer_stream=None):
+        self.fast = FastPi05(model, use_triton=use_triton, layer_stream=layer_stream)
         self.model = model
         self.device = model.action_in_proj.weight.device
         self.num_cameras, self.token_len, self.horizon = num_cameras, token_len, horizon
@@ -446,6 +481,10 @@ class CudaGraphEngine:
         start.record()
         if hit:
             self._restore_prefix(buf, entries)
+        elif self.fast.layer_stream is not None:
+            # The layer slots are shared with the eager model's calls during a background warm-up.
+            with self._capture_lock:
+                self._run_prefix(buf, vision_slots)
         elif graphs:
             key = (b, token_len, vision_slots)
             if key not in self._prefix_graphs:

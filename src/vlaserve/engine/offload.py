@@ -1,12 +1,19 @@
-"""The `offload` memory profile: the vision tower's and the VLM's layers live in (pinned) host memory
-and pass through two preallocated device slots per stack, one layer at a time, on every call.
+"""The `offload` memory profile: the vision tower's and the VLM's layer matrices live in (pinned) host
+memory and pass through two preallocated device slots per stack, one layer at a time, on every call.
+A layer's 1-D parameters (norms, biases: 0.1% of its bytes) stay resident, so code that reads the next
+layer's norm early (the fused kernels do) never finds it away.
 
-Each layer's parameters normally hold their host copy. Just before a layer runs (a forward pre-hook),
+Each layer's streamed parameters normally hold their host copy. Just before a layer runs (a forward pre-hook),
 its parameters are re-pointed at the slot its weights were copied into, and the next layer's copy is
 started into the other slot on a side stream, so copying overlaps the current layer's compute. The
 previous layer goes back to its host copy at that moment, which is also when an event marks its
 slot free for reuse (all of its kernels are queued by then). On a CPU device the "copy stream" is
 the identity: copies happen in place, in order, and the arithmetic is exactly the eager model's.
+
+Two users. The CUDA fast path (engine/graphs.py) calls `enter(stack, i)` before it uses layer i, and
+builds its fused weights inside `slot_views()`: layer i always runs from slot i % 2, so the fused Q/K/V
+and gate/up matrices are fixed views of a slot (its members are packed adjacently) and the actions are
+the resident fast path's, bit for bit. The eager model is entered through forward pre-hooks.
 
 Hook points (the eager model is not edited): a SigLIP layer is called as a module, so its own
 pre-hook fires first. `GemmaPrefixLM.prefix_kv` calls no Gemma layer as a module; the first module it
@@ -16,6 +23,8 @@ of a pass stays on its slot until the next pass puts it back.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -23,8 +32,14 @@ from ..model.pi05 import Pi05Model
 
 # Parameter-name prefixes of the streamed layers; everything else stays resident on the device.
 STREAMED_PREFIXES = ("vision.layers.", "vlm.layers.")
-# Byte alignment of each parameter inside a layer's flat buffer (what cuBLAS and vector loads like).
-ALIGN = 256
+# Byte alignment of each parameter inside a layer's flat buffer: what vector loads and TMA need. Real
+# layer matrices are multiples of 256 bytes, so consecutive ones (Q, K, V) are packed without a gap.
+ALIGN = 16
+
+
+def streamed(name: str, shape) -> bool:
+    """Whether parameter `name` (our naming) is streamed under offload: a vision or VLM layer's matrix."""
+    return name.startswith(STREAMED_PREFIXES) and len(shape) >= 2
 
 
 def _packed(params: list[nn.Parameter], buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -49,7 +64,7 @@ class _LayerStack:
         self.layers = layers
         self.device = device
         self.copy_stream = copy_stream  # None on a CPU device
-        self.params = [list(layer.parameters()) for layer in layers]
+        self.params = [[p for p in layer.parameters() if p.dim() >= 2] for layer in layers]
         shapes = [[(p.shape, p.dtype) for p in ps] for ps in self.params]
         if any(s != shapes[0] for s in shapes):
             raise ValueError("offload needs the layers of a stack to have identical parameter shapes")
@@ -111,6 +126,17 @@ class _LayerStack:
         elif self.next_stack is not None:
             self.next_stack.load(0)
 
+    def point_at_slots(self) -> None:
+        """Each layer's parameters at the views of its slot (layer i: slot i % 2); no data moves."""
+        for i, ps in enumerate(self.params):
+            for p, view in zip(ps, self.slots[i % 2][1]):
+                p.data = view
+
+    def point_at_host(self) -> None:
+        for i, ps in enumerate(self.params):
+            for p, view in zip(ps, self.host[i][1]):
+                p.data = view
+
     def _deactivate(self) -> None:
         i = self.active
         if self.copy_stream is not None:
@@ -123,12 +149,12 @@ class _LayerStack:
 
 
 class LayerOffload:
-    """Streams `model.vision.layers` and `model.vlm.layers` to `device`; moves the rest there."""
+    """Streams the matrices of `model.vision.layers` and `model.vlm.layers` to `device`; moves the rest there."""
 
     def __init__(self, model: Pi05Model, device: torch.device):
         device = torch.device(device)
         for name, p in model.named_parameters():
-            if not name.startswith(STREAMED_PREFIXES):
+            if not streamed(name, p.shape):
                 p.data = p.data.to(device)
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.vision = _LayerStack(model.vision.layers, device, copy_stream)
@@ -139,6 +165,24 @@ class LayerOffload:
             layer.register_forward_pre_hook(self._enter_hook(self.vision, i))
         for i, layer in enumerate(model.vlm.layers):
             layer.input_layernorm.register_forward_pre_hook(self._enter_hook(self.vlm, i))
+
+    def enter(self, stack: str, i: int) -> None:
+        """Layer i of stack "vision" or "vlm" is about to run (the fast path's entry point)."""
+        (self.vision if stack == "vision" else self.vlm).enter(i)
+
+    @contextmanager
+    def slot_views(self):
+        """While inside, every streamed parameter is its slot's view (contents undefined): for
+        building tensors that must alias the slots, such as the fast path's fused weights."""
+        if self.vision.active is not None or self.vlm.active is not None:
+            raise RuntimeError("slot_views() needs every layer back on the host")
+        for stack in (self.vision, self.vlm):
+            stack.point_at_slots()
+        try:
+            yield
+        finally:
+            for stack in (self.vision, self.vlm):
+                stack.point_at_host()
 
     @staticmethod
     def _enter_hook(stack: _LayerStack, i: int):

@@ -130,13 +130,20 @@ class GemmaLayer(nn.Module):
         self.mlp = GemmaMLP(dims)
 
 
+def uninitialized_embedding(num: int, width: int) -> nn.Embedding:
+    """An embedding whose weights are left uninitialized: every model is filled from a checkpoint or
+    with random values after construction. nn.Embedding's own normal_ init, on the meta device where
+    the model is built, first imports torch._dynamo: ~3 s of every cold start."""
+    return nn.Embedding(num, width, _weight=torch.empty(num, width))
+
+
 class GemmaPrefixLM(nn.Module):
     """The PaliGemma language model, used only to fill the per-layer K/V of the prefix."""
 
     def __init__(self, dims: GemmaDims):
         super().__init__()
         self.dims = dims
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.width)
+        self.embed_tokens = uninitialized_embedding(dims.vocab_size, dims.width)
         self.layers = nn.ModuleList(GemmaLayer(dims) for _ in range(dims.depth))
         # Loaded for strictness; its output (the prefix hidden state) is never used.
         self.norm = RMSNorm(dims.width, dims.rms_norm_eps)

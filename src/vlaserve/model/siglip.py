@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VisionDims
+from .gemma import uninitialized_embedding
 
 
 class SiglipAttention(nn.Module):
@@ -63,7 +64,7 @@ class SiglipVision(nn.Module):
         super().__init__()
         self.dims = dims
         self.patch_embedding = nn.Conv2d(3, dims.width, kernel_size=dims.patch_size, stride=dims.patch_size)
-        self.position_embedding = nn.Embedding(dims.num_patches, dims.width)
+        self.position_embedding = uninitialized_embedding(dims.num_patches, dims.width)
         self.layers = nn.ModuleList(SiglipLayer(dims) for _ in range(dims.depth))
         self.post_layernorm = nn.LayerNorm(dims.width, eps=dims.layer_norm_eps)
 

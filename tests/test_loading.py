@@ -1,0 +1,88 @@
+"""Weight loading: both loaders give the same tensors, clear loader errors, reading the checkpoint ahead."""
+
+import logging
+
+import pytest
+import torch
+
+from vlaserve import CheckpointError, Policy
+from vlaserve import files as files_module
+from vlaserve.cli import UsageError, read_checkpoint_ahead, serve_options
+from vlaserve.files import ReadAhead, check_weight_loader, checkpoint_files, read_ahead
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runai_streamer_and_safetensors_load_identical_tensors(golden, dtype):
+    pytest.importorskip("runai_model_streamer")  # a test extra: installed by the README test command
+    loaded = {loader: Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype=dtype, progress=False,
+                                             weights_loader=loader) for loader in ("safetensors", "runai-streamer")}
+    ours = dict(loaded["safetensors"].model.named_parameters())
+    theirs = dict(loaded["runai-streamer"].model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert p.dtype == theirs[name].dtype and torch.equal(p, theirs[name]), name  # bit for bit
+    assert loaded["runai-streamer"].load_timings["weights_loader"] == "runai-streamer"
+
+
+def test_load_timings_account_for_the_load(golden):
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    weights_loader="safetensors")
+    t = policy.load_timings
+    assert t["weights_loader"] == "safetensors"
+    assert t["weight_bytes"] == sum(p.numel() * 4 for p in policy.model.parameters())  # float32 everywhere
+    stages = t["config_s"] + t["device_s"] + t["weights_s"] + t["engine_s"]
+    assert 0 < stages <= t["total_s"]
+
+
+def test_weight_loader_choice_and_errors(monkeypatch):
+    with pytest.raises(CheckpointError, match="not known"):
+        check_weight_loader("fast")
+    assert check_weight_loader("safetensors") == "safetensors"
+    real_find_spec = files_module.importlib.util.find_spec
+    monkeypatch.setattr(files_module.importlib.util, "find_spec",
+                        lambda name: None if name == "runai_model_streamer" else real_find_spec(name))
+    with pytest.raises(CheckpointError, match="pip install runai-model-streamer"):
+        check_weight_loader("runai-streamer")
+    with pytest.raises(UsageError, match="weights_loader"):
+        serve_options({"weights_loader": "mmap"})
+
+
+def test_read_ahead_reads_every_byte_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(ReadAhead, "CHUNK_BYTES", 64 * 1024)
+    sizes = [1_000_000 + 123, 64 * 1024, 7]  # a partial last chunk, an exact chunk, a tiny file
+    paths = []
+    for i, size in enumerate(sizes):
+        paths.append(tmp_path / f"model-{i}.safetensors")
+        paths[-1].write_bytes(bytes(size))
+    ahead = ReadAhead(paths, threads=3)
+    assert ahead.wait(timeout=60)
+    assert ahead.error is None and ahead.bytes_read == ahead.total_bytes == sum(sizes)
+    assert ahead.seconds is not None
+
+
+def test_read_ahead_failure_is_logged_not_raised(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="vlaserve.files"):
+        ahead = ReadAhead([tmp_path], threads=2)  # a directory: the read fails
+        assert ahead.wait(timeout=60)
+    assert ahead.error is not None
+    assert "loading reads it directly" in caplog.text
+
+
+def test_read_ahead_only_when_memory_allows(golden, monkeypatch):
+    checkpoint = golden / "checkpoint"
+    size = sum(f.stat().st_size for f in checkpoint_files(checkpoint))
+    monkeypatch.setattr(files_module, "available_memory_bytes", lambda: size)  # would take all of it
+    assert read_ahead(checkpoint) is None
+    monkeypatch.setattr(files_module, "available_memory_bytes", lambda: 10 * size)
+    ahead = read_ahead(checkpoint)
+    assert ahead is not None and ahead.wait(timeout=60) and ahead.bytes_read == size
+
+
+def test_serve_reads_a_local_checkpoint_ahead_only_for_the_mmap_loader(golden):
+    checkpoint = str(golden / "checkpoint")
+    ahead = read_checkpoint_ahead(serve_options({"checkpoint": checkpoint}))  # the default loader
+    assert ahead is not None and ahead.wait(timeout=60) and ahead.error is None
+    assert read_checkpoint_ahead(serve_options({"checkpoint": None})) is None  # the demo
+    assert read_checkpoint_ahead(serve_options({"checkpoint": "owner/model"})) is None  # a hub id
+    # runai-model-streamer reads in parallel itself
+    assert read_checkpoint_ahead(serve_options({"checkpoint": checkpoint, "weights_loader": "runai-streamer"})) is None
