@@ -235,9 +235,10 @@ def log_startup(policy, options: dict) -> None:
     log.info("dtype %s, device %s, memory profile %s, parameters: %s", m["dtype"], m["device"],
              m["memory_profile"], counts)
     t = policy.load_timings
-    log.info("loaded in %.2f s: config %.2f s, device %.2f s, weights %.2f s (%.2f GB at %.2f GB/s, %s), engine %.2f s",
-             t["total_s"], t["config_s"], t["device_s"], t["weights_s"], t["weight_bytes"] / 1e9,
-             t["weights_gb_per_s"], t["weights_loader"], t["engine_s"])
+    rate = "" if t["weights_gb_per_s"] is None else f" at {t['weights_gb_per_s']:.2f} GB/s"
+    log.info("loaded in %.2f s: config %.2f s, device %.2f s, weights %.2f s (%.2f GB%s, %s), engine %.2f s",
+             t["total_s"], t["config_s"], t["device_s"], t["weights_s"], t["weight_bytes"] / 1e9, rate,
+             t["weights_loader"], t["engine_s"])
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
     log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s",

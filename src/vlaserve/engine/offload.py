@@ -174,9 +174,9 @@ class LayerOffload:
     def slot_views(self):
         """While inside, every streamed parameter is its slot's view (contents undefined): for
         building tensors that must alias the slots, such as the fast path's fused weights."""
-        if self.vision.active is not None or self.vlm.active is not None:
-            raise RuntimeError("slot_views() needs every layer back on the host")
         for stack in (self.vision, self.vlm):
+            if stack.active is not None:  # a finished call's last layer: its slot stays loaded
+                stack._deactivate()
             stack.point_at_slots()
         try:
             yield
