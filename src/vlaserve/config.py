@@ -93,7 +93,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def model_config_from_architecture(arch: dict, chunk_size: int, max_action_dim: int) -> ModelConfig:
+def _model_from_architecture(arch: dict, chunk_size: int, max_action_dim: int) -> ModelConfig:
     def gemma(d: dict) -> GemmaDims:
         return GemmaDims(
             width=d["width"], depth=d["depth"], mlp_dim=d["mlp_dim"], num_heads=d["num_heads"],
@@ -137,7 +137,7 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     arch_path = checkpoint_dir / "architecture.json"
     arch = _read_json(arch_path) if arch_path.exists() else None
     if arch is not None:
-        model = model_config_from_architecture(arch, chunk_size, max_action_dim)
+        model = _model_from_architecture(arch, chunk_size, max_action_dim)
     else:
         try:
             vlm = GEMMA_VARIANTS[cfg.get("paligemma_variant", "gemma_2b")]

@@ -93,12 +93,12 @@ class ReadAhead:
     CHUNK_BYTES = 16 * 2**20
 
     def __init__(self, files: list[Path], threads: int = 4):
-        self.files = [Path(f) for f in files]
-        self.total_bytes = sum(f.stat().st_size for f in self.files)
+        sizes = {Path(f): Path(f).stat().st_size for f in files}
+        self.total_bytes = sum(sizes.values())
         self.bytes_read = 0
         self.seconds: float | None = None  # set when done
         self.error: str | None = None
-        self._chunks = [(f, offset) for f in self.files for offset in range(0, f.stat().st_size, self.CHUNK_BYTES)]
+        self._chunks = [(f, offset) for f, size in sizes.items() for offset in range(0, size, self.CHUNK_BYTES)]
         self._next = 0
         self._lock = threading.Lock()
         self._started = time.perf_counter()

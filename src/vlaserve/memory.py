@@ -50,7 +50,7 @@ KV_TILE = 64
 class MemoryProfile:
     name: str
     summary: str
-    offload: bool = False  # vision + VLM layers in pinned host memory, streamed per call; eager only
+    offload: bool = False  # vision + VLM layer matrices in pinned host memory, streamed per call
     max_graph_batch: int | None = None  # largest batch with CUDA graphs, and the server's batch cap; None: no bound
     prefix_cache_entries: int = 64  # the opt-in prefix cache's size (one prefix's K/V per entry)
 
@@ -60,8 +60,8 @@ PROFILES = {p.name: p for p in (
     # Full size, a prefix cache entry is ~18 MB: 64 entries ~1.1 GiB, 16 ~0.28 GiB, 8 ~0.14 GiB.
     MemoryProfile("edge-16gb", "all weights resident; CUDA graphs and server batches of at most 4, "
                                "a smaller prefix cache", max_graph_batch=4, prefix_cache_entries=16),
-    MemoryProfile("offload", "vision tower and VLM layers in pinned host memory, streamed layer by layer "
-                             "each call; expert, embeddings and projections resident; eager",
+    MemoryProfile("offload", "vision tower and VLM layer matrices in pinned host memory, streamed layer by "
+                             "layer each call; expert, embeddings, projections and norms resident",
                   offload=True, prefix_cache_entries=8),
 )}
 

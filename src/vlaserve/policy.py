@@ -18,7 +18,7 @@ import torch
 
 from .config import PolicyConfig, load_policy_config
 from .errors import CheckpointError, InvalidObservation
-from .files import check_weight_loader, resolve_checkpoint
+from .files import check_weight_loader, checkpoint_files, resolve_checkpoint
 from .memory import PROFILES, MemoryProfile, check_before_loading, get_profile
 from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
 from .processing.images import bytes_to_model_range, empty_image, prepare_image
@@ -38,6 +38,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported (choose from auto, {', '.join(sorted(DTYPES))})")
     return dtype
+
+
 RTC_DEFAULTS = {"inference_delay": 0, "execution_horizon": 10, "max_guidance_weight": 10.0, "schedule": "linear",
                 "space": "model"}
 
@@ -482,7 +484,7 @@ class Policy:
 def _checkpoint_revision(checkpoint: str) -> str:
     """Identifies the weights: their files' names, sizes and modification times."""
     directory = Path(checkpoint)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    files = checkpoint_files(directory) if directory.is_dir() else []
     return checkpoint + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .config import ModelConfig, model_config_from_architecture
+from .config import ModelConfig
 from .errors import CheckpointError
 from .files import check_weight_loader, checkpoint_files
 from .model.pi05 import Pi05Model
@@ -102,22 +102,34 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-def checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape for every tensor Pi0.5 uses, from the safetensors headers only
-    (nothing is read from the data). A head-only tied embedding counts as the embedding."""
-    shapes: dict[str, tuple[int, ...]] = {}
+EMBED = "vlm.embed_tokens.weight"
+
+
+def _scan_headers(checkpoint_dir: Path) -> tuple[dict[str, tuple[Path, str]], dict[tuple[Path, str], tuple[int, ...]]]:
+    """From the safetensors headers only (no data read): our name -> (file, key) of every tensor the
+    checkpoint maps to one (unknown ones as "?key"; a head-only tied embedding as the embedding), and
+    each (file, key)'s shape."""
+    sources: dict[str, tuple[Path, str]] = {}
+    shapes: dict[tuple[Path, str], tuple[int, ...]] = {}
     lm_head = None
     for path in checkpoint_files(checkpoint_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
+                shapes[path, key] = tuple(f.get_slice(key).get_shape())
                 if canonical_lerobot_name(key) == LM_HEAD:
-                    lm_head = tuple(f.get_slice(key).get_shape())
+                    lm_head = (path, key)
                 ours = to_our_name(key)
-                if ours is not None and not ours.startswith("?"):
-                    shapes[ours] = tuple(f.get_slice(key).get_shape())
-    if "vlm.embed_tokens.weight" not in shapes and lm_head is not None:
-        shapes["vlm.embed_tokens.weight"] = lm_head
-    return shapes
+                if ours is not None:
+                    sources[ours] = (path, key)
+    if EMBED not in sources and lm_head is not None:
+        sources[EMBED] = lm_head  # tied weights: some checkpoints store only the head
+    return sources, shapes
+
+
+def checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape for every tensor Pi0.5 uses, from the safetensors headers only."""
+    sources, shapes = _scan_headers(checkpoint_dir)
+    return {ours: shapes[source] for ours, source in sources.items() if not ours.startswith("?")}
 
 
 def _format_keys(keys, limit: int = 12) -> str:
@@ -153,26 +165,8 @@ def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, dev
     and moved, so no full-precision copy of the model ever sits in host memory.
     """
     expected = {n: p for n, p in model.named_parameters()}
-    sources: dict[str, tuple[Path, str]] = {}
-    lm_head: tuple[Path, str] | None = None
-    unexpected, wrong_shape = [], []
-    shapes: dict[tuple[Path, str], tuple[int, ...]] = {}
-    for path in checkpoint_files(checkpoint_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                shapes[path, key] = tuple(f.get_slice(key).get_shape())
-                if canonical_lerobot_name(key) == LM_HEAD:
-                    lm_head = (path, key)
-                ours = to_our_name(key)
-                if ours is None:
-                    continue
-                if ours not in expected:
-                    unexpected.append(key)
-                else:
-                    sources[ours] = (path, key)
-    embed = "vlm.embed_tokens.weight"
-    if embed not in sources and lm_head is not None:
-        sources[embed] = lm_head  # tied weights: some checkpoints store only the head
+    sources, shapes = _scan_headers(checkpoint_dir)
+    unexpected = [key for ours, (_, key) in sources.items() if ours not in expected]
     missing = [n for n in expected if n not in sources]
     if missing or unexpected:
         parts = []
@@ -181,9 +175,8 @@ def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, dev
         if unexpected:
             parts.append(f"unexpected tensors: {_format_keys(unexpected)}")
         raise CheckpointError(f"{checkpoint_dir} does not match the Pi0.5 architecture; " + "; ".join(parts))
-    for ours, source in sources.items():
-        if shapes[source] != tuple(expected[ours].shape):
-            wrong_shape.append(f"{source[1]}: checkpoint {list(shapes[source])} vs model {list(expected[ours].shape)}")
+    wrong_shape = [f"{source[1]}: checkpoint {list(shapes[source])} vs model {list(expected[ours].shape)}"
+                   for ours, source in sources.items() if shapes[source] != tuple(expected[ours].shape)]
     if wrong_shape:
         raise CheckpointError(f"{checkpoint_dir}: tensors of the wrong shape: " + "; ".join(wrong_shape[:12]))
 
@@ -209,15 +202,11 @@ def build_model(config: ModelConfig) -> Pi05Model:
         return Pi05Model(config)
 
 
-def random_lerobot_state_dict(config: ModelConfig | dict, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_lerobot_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Random float32 weights in the LeRobot layout (demo and benchmark checkpoints).
 
-    `config` is a ModelConfig or an `architecture.json` dict. Gemma RMSNorm offsets and SigLIP
-    LayerNorm scales are drawn around their identity values.
+    Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
     """
-    if isinstance(config, dict):
-        policy = config.get("policy", {})
-        config = model_config_from_architecture(config, policy.get("chunk_size", 50), policy.get("max_action_dim", 32))
     gen = torch.Generator().manual_seed(seed)
     model = Pi05Model(config)
     out = {}

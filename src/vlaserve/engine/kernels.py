@@ -44,20 +44,29 @@ if triton is not None:
         tl.store(out, acc, mask=(rows[:, None] < R) & (cols[None, :] < N))
 
     @triton.jit
+    def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
+                                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
+        and up halves of a GeGLU, or the two halves of RoPE pairs."""
+        acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
+            w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
+            w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
+            acc_a += tl.dot(x, tl.trans(w_a))
+            acc_b += tl.dot(x, tl.trans(w_b))
+        return acc_a, acc_b
+
+    @triton.jit
     def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc_g = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-            wg = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
-            wu = tl.load(w_ptr + (cols[:, None] + M) * stride_w + ks[None, :])
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
+        acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
+                                               BLOCK_R, BLOCK_N, BLOCK_K)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
@@ -135,15 +144,8 @@ if triton is not None:
         d = j * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        acc_lo = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        acc_hi = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-            w_lo = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
-            w_hi = tl.load(w_ptr + (cols[:, None] + HALF) * stride_w + ks[None, :])
-            acc_lo += tl.dot(x, tl.trans(w_lo))
-            acc_hi += tl.dot(x, tl.trans(w_hi))
+        acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
+                                                 BLOCK_R, BLOCK_N, BLOCK_K)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
         hi = acc_hi.to(dt).to(tl.float32)

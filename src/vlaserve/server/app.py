@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .codec import DecodeError, dumps_json, is_msgpack, loads_json, packb, unpackb
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
-from .service import ROUTES, ServerSettings, Service
+from .service import ROUTES, ServerSettings, Service, binary_frames
 
 MSGPACK = "application/msgpack"
 
@@ -82,15 +82,11 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
             return
         await websocket.send_bytes(packb(service.public_metadata()))
         try:
-            while True:
-                message = await websocket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                started = time.perf_counter()
+            async for frame, started in binary_frames(websocket):
                 try:
-                    if message.get("bytes") is None:
+                    if frame is None:
                         raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
-                    body = _decode(message["bytes"], MSGPACK)
+                    body = _decode(frame, MSGPACK)
                     generation, result, timings = await service.generate(body, started, msgpack_response=True)
                     reply, status = service.reply(generation, result, timings, started), 200
                 except ApiError as error:

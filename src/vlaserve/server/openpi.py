@@ -20,7 +20,7 @@ from ..errors import InvalidObservation
 from .aliases import canonical_observation
 from .codec import DecodeError, packb, unpackb
 from .schema import ApiError, float_array, image_array, invalid, invalid_observation, noise_array
-from .service import Service, ms_since, policy_timing
+from .service import Service, binary_frames, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,12 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     await websocket.send_bytes(packb(service.metadata))
     prev_total_ms = None
     try:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            started = time.perf_counter()
+        async for frame, started in binary_frames(websocket):
             try:
-                if message.get("bytes") is None:
+                if frame is None:
                     raise ApiError(400, "invalid_frame", "send observations as msgpack binary frames")
                 try:
-                    raw = unpackb(message["bytes"])
+                    raw = unpackb(frame)
                 except DecodeError as e:
                     raise ApiError(400, "invalid_msgpack", str(e)) from None
                 observation, noise = observation_from_openpi(raw, service)

@@ -32,6 +32,16 @@ class ServerSettings:
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
 
 
+async def binary_frames(websocket):
+    """Each message's binary payload (None for a text frame) and the time it arrived, until the
+    client disconnects."""
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        yield message.get("bytes"), time.perf_counter()
+
+
 def ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
