@@ -11,6 +11,7 @@ from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file, save_file
 
 from vlaserve import CheckpointError, InvalidObservation, Policy
+from vlaserve.errors import ConfigError, InvalidInput
 from vlaserve.model.gemma import AdaRMSNorm, RMSNorm
 from vlaserve.processing.images import prepare_image, resized_shape
 from vlaserve.processing.normalize import QuantileNormalizer, load_openpi_normalization
@@ -108,7 +109,7 @@ def test_long_prompts_are_truncated_with_a_warning(golden_policy, caplog):
     with caplog.at_level(logging.WARNING):
         prepared = golden_policy.prepare(obs)
     assert prepared.truncated and bool(prepared.token_mask.all())
-    assert int(prepared.tokens[0]) == golden_policy.tokenizer.bos_id
+    assert int(prepared.tokens[0]) == golden_policy.preprocessor.tokenizer.bos_id
     assert "truncated" in caplog.text
 
 
@@ -122,10 +123,10 @@ def test_bad_observations_name_the_field(golden_policy):
         ({**good, "images": {"base_0_rgb": np.zeros((224, 224), np.uint8)}}, "images.base_0_rgb"),
     ]
     for obs, field in cases:
-        with pytest.raises(InvalidObservation) as info:
+        with pytest.raises(InvalidInput) as info:
             golden_policy.infer(obs, seed=0)
         assert info.value.field == field
-    with pytest.raises(InvalidObservation) as info:
+    with pytest.raises(InvalidInput) as info:
         golden_policy.infer(good, noise=np.zeros((50, 31), np.float32))
     assert info.value.field == "noise"
 
@@ -135,8 +136,9 @@ def test_padding_never_yields_nan(golden_policy):
     # One camera (two masked slots) and a short prompt (most tokens padding): the padded query
     # rows are fully masked, and must softmax to finite values.
     obs = observation(5, cameras=("left_wrist_0_rgb",))
-    inputs = golden_policy.collate([golden_policy.prepare(obs)])
-    ctx = golden_policy.compute_prefix(inputs)
+    inputs = golden_policy.preprocessor.collate([golden_policy.request(obs)])[0]
+    model = golden_policy.model
+    ctx = model.compute_prefix(*model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask))
     assert (~ctx.pad_mask).sum() > 400
     assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in ctx.kv)
     assert np.isfinite(golden_policy.infer(obs, seed=0).actions).all()
@@ -261,31 +263,30 @@ def test_missing_checkpoint_and_hub_ids_fail_clearly(tmp_path):
 
 # ---- speed options (exact by construction; the eager path proves it on the CPU) ---------------
 def test_prefix_cache_hit_equals_miss_bit_for_bit(golden):
-    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
-    policy.enable_prefix_cache(max_entries=2)
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    prefix_cache=2)
     obs, noise = observation(20), np.random.default_rng(20).normal(size=(50, 32)).astype(np.float32)
     miss = policy.infer(obs, noise=noise)
-    assert policy.prefix_cache.stats()["misses"] == 1 and len(policy.prefix_cache) == 1
+    assert policy.runtime.prefix_cache.stats()["misses"] == 1 and len(policy.runtime.prefix_cache) == 1
     hit = policy.infer(obs, noise=noise)
-    assert policy.prefix_cache.stats()["hits"] == 1
+    assert policy.runtime.prefix_cache.stats()["hits"] == 1
     assert np.array_equal(miss.actions, hit.actions) and np.array_equal(miss.model_actions, hit.model_actions)
     # A different state changes the prompt, hence the key: no false hit.
     other = {**obs, "state": obs["state"] + 0.5}
     assert not np.array_equal(policy.infer(other, noise=noise).actions, hit.actions)
-    assert policy.prefix_cache.stats()["hits"] == 1
+    assert policy.runtime.prefix_cache.stats()["hits"] == 1
     # LRU bound: a third distinct prefix evicts the oldest.
     policy.infer(observation(21), noise=noise)
-    assert len(policy.prefix_cache) == 2
+    assert len(policy.runtime.prefix_cache) == 2
 
 
 def test_prompt_buckets_shrink_the_prefix_and_keep_the_actions(golden):
     plain = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
-    bucketed = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
-    bucketed.set_prompt_buckets([48, 96])
+    bucketed = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                      prompt_buckets=(48, 96))
     obs, noise = observation(22), np.random.default_rng(22).normal(size=(50, 32)).astype(np.float32)
-    prepared = bucketed.collate([bucketed.prepare(obs)])
-    assert int(prepared.token_mask.sum()) <= 48  # a short task + 14 state bins fits the first bucket
-    assert bucketed._bucketed(prepared).tokens.shape[1] == 48
+    assert int(bucketed.prepare(obs).token_mask.sum()) <= 48  # a short task + 14 state bins fits the first bucket
+    assert bucketed.preprocessor.collate([bucketed.request(obs)])[0].tokens.shape[1] == 48
     # Padding tokens are masked out of attention and do not advance positions, so only the
     # float32 summation order of the shorter softmax differs: ~1e-7, well below 1e-5.
     assert np.abs(plain.infer(obs, noise=noise).actions - bucketed.infer(obs, noise=noise).actions).max() < 1e-5
@@ -295,15 +296,16 @@ def test_prompt_buckets_shrink_the_prefix_and_keep_the_actions(golden):
 def test_auto_dtype_is_float32_on_the_cpu(golden):
     policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="auto", progress=False)
     assert policy.metadata["dtype"] == "float32"
-    with pytest.raises(CheckpointError, match="float16"):
+    with pytest.raises(ConfigError, match="float16"):
         Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float16", progress=False)
 
 
 def test_uint8_images_travel_as_bytes_and_convert_bit_identically(golden_policy):
     obs = observation(30, cameras=("base_0_rgb", "right_wrist_0_rgb"))
-    prepared = golden_policy.prepare(obs)
+    request = golden_policy.request(obs)
+    prepared = golden_policy.prepare(request)
     assert prepared.images.dtype == torch.uint8  # 4x less host work and transfer than float32
-    on_device = golden_policy.collate([prepared]).to("cpu").images[0]
+    on_device = golden_policy.preprocessor.collate([request])[0].to("cpu").images[0]
     for slot, cam in enumerate(prepared.slot_cameras):
         expected = prepare_image(obs["images"][cam], 224, cam) if cam in obs["images"] else torch.full((3, 224, 224), -1.0)
         assert torch.equal(on_device[slot], expected)

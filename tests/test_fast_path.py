@@ -11,7 +11,7 @@ import torch
 
 from conftest import golden_dir
 from vlaserve import Policy
-from vlaserve.engine.graphs import FastPi05, StaticRTC
+from vlaserve.runtime.fast.model import FastPi05, StaticRTC
 from vlaserve.golden import GoldenCase, case_dirs
 
 CASES = case_dirs(golden_dir())
@@ -27,7 +27,9 @@ def fast_policy(golden):
 def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
     policy, fast = fast_policy
     case = GoldenCase.load(case_dir)
-    inputs = policy.collate([policy.prepare(o) for o in case.observations()]).to("cpu")
+    rtcs = case.rtcs() or [None] * case.meta["batch_size"]
+    inputs, _, guidance = policy.preprocessor.collate([policy.request(o, rtc=r)
+                                                       for o, r in zip(case.observations(), rtcs)])
     b, n = inputs.image_masks.shape
     plen = n * policy.model.vision.dims.num_patches + inputs.tokens.shape[1]
     cache_len = -(-(plen + 50) // 64) * 64
@@ -41,7 +43,7 @@ def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
     rtc = None
     if case.rtcs():
         rtc = StaticRTC.allocate(b, 50, 32, len(sched.times), "cpu")
-        rtc.fill(policy.make_rtc(case.rtcs()), sched.times)
+        rtc.fill(guidance, sched.times)
     with torch.no_grad():
         pad = fast.prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, k, v, slots)
         actions = fast.denoise(pad, noise, sched, k, v, rtc)

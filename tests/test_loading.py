@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from vlaserve import CheckpointError, Policy
-from vlaserve import files as files_module
+from vlaserve.checkpoint import files as files_module
 from vlaserve.cli import UsageError, read_checkpoint_ahead, serve_options
-from vlaserve.files import ReadAhead, check_weight_loader, checkpoint_files, read_ahead
+from vlaserve.checkpoint.files import ReadAhead, check_weight_loader, checkpoint_files, read_ahead
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -62,7 +62,7 @@ def test_read_ahead_reads_every_byte_in_chunks(tmp_path, monkeypatch):
 
 
 def test_read_ahead_failure_is_logged_not_raised(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="vlaserve.files"):
+    with caplog.at_level(logging.WARNING, logger="vlaserve.checkpoint.files"):
         ahead = ReadAhead([tmp_path], threads=2)  # a directory: the read fails
         assert ahead.wait(timeout=60)
     assert ahead.error is not None

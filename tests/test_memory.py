@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from conftest import golden_dir
-from vlaserve import CheckpointError, Policy
+from vlaserve import Policy
+from vlaserve.checkpoint.weights import build_model, random_model
 from vlaserve.cli import main
-from vlaserve.config import ModelConfig, PolicyConfig, load_policy_config
-from vlaserve.engine.graphs import FastPi05
-from vlaserve.engine.offload import ALIGN, STREAMED_PREFIXES, LayerOffload
-from vlaserve.errors import InsufficientMemory
+from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig, load_policy_config
+from vlaserve.errors import ConfigError, InsufficientMemory
 from vlaserve.golden import GoldenCase, case_dirs
-from vlaserve.memory import GIB, PROFILES, check_fit, estimate_memory, get_profile, gib, given_budget
-from vlaserve.weights import build_model, random_model
+from vlaserve.runtime.fast.model import FastPi05
+from vlaserve.runtime.memory import GIB, check_fit, estimate_memory, gib, given_budget
+from vlaserve.runtime.offload import ALIGN, STREAMED_PREFIXES, LayerOffload
 
 
 def shapes_of(model_config: ModelConfig) -> dict:
@@ -28,7 +28,7 @@ def shapes_of(model_config: ModelConfig) -> dict:
 def test_every_profile_gives_the_same_actions_for_the_same_noise(golden, dtype):
     policies = {name: Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype=dtype, progress=False,
                                              memory_profile=name) for name in PROFILES}
-    assert policies["offload"].offload is not None and policies["default"].offload is None
+    assert policies["offload"].runtime.offload is not None and policies["default"].runtime.offload is None
     assert {p.metadata["memory_profile"] for p in policies.values()} == set(PROFILES)
     for case_dir in case_dirs(golden):
         case = GoldenCase.load(case_dir)
@@ -184,10 +184,10 @@ def test_from_pretrained_refuses_before_loading_any_weight(golden, monkeypatch):
     with pytest.raises(InsufficientMemory, match=r"may use only 0\.10 GiB \(the given budget of 0\.10 GiB\).*"
                                                  r"No profile fits"):
         Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
-                               memory_budget=GIB // 10)
+                               memory_budget_bytes=GIB // 10)
     monkeypatch.undo()
     policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
-                                    memory_budget=2 * GIB, max_batch_size=8)
+                                    memory_budget_bytes=2 * GIB, max_batch_size=8)
     assert policy.metadata["memory_profile"] == "default"
 
 
@@ -198,20 +198,20 @@ def test_offload_is_refused_when_the_host_cannot_pin_its_layers(golden, monkeypa
     config = load_policy_config(golden / "checkpoint")
     pinned = estimate_memory(shapes_of(config.model), config, torch.float32, PROFILES["offload"], 1).host_pinned
     assert pinned > 0
-    monkeypatch.setattr("vlaserve.memory.available_memory_bytes", lambda: pinned - 1)
+    monkeypatch.setattr("vlaserve.runtime.memory.available_memory_bytes", lambda: pinned - 1)
     monkeypatch.setattr("vlaserve.policy.load_weights", no_loading)
     with pytest.raises(InsufficientMemory, match=r"keeps .* pinned in host memory, but only"):
         Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
-                               memory_profile="offload", memory_budget=2 * GIB)
+                               memory_profile="offload", memory_budget_bytes=2 * GIB)
     # The resident profiles pin nothing on the host: not refused for it.
     with pytest.raises(AssertionError, match="weights were loaded"):
         Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
-                               memory_budget=2 * GIB)
+                               memory_budget_bytes=2 * GIB)
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(CheckpointError, match="choose from default, edge-16gb, offload"):
-        get_profile("tiny")
+    with pytest.raises(ConfigError, match="one of default, edge-16gb, offload"):
+        RuntimeConfig(memory_profile="tiny")
 
 
 def golden_fp32_split(golden) -> tuple[int, int]:
@@ -274,14 +274,15 @@ def test_serve_takes_the_profile_from_the_command_line_or_the_config_file(tmp_pa
     assert options(["--config", str(config)])["memory_profile"] == "offload"
     assert options(["--config", str(config), "--memory-profile", "edge-16gb"])["memory_profile"] == "edge-16gb"
     result = run_serve(["--memory-profile", "tiny", "--device", "cpu"], tmp_path)
-    assert result.returncode == 2 and "memory profile 'tiny' is not supported" in result.stderr
+    assert result.returncode == 2 and "memory_profile must be one of default, edge-16gb, offload" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_the_prefix_cache_takes_its_size_from_the_profile(golden):
-    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
-                                    memory_profile="edge-16gb")
-    policy.enable_prefix_cache()
-    assert policy.prefix_cache.max_entries == PROFILES["edge-16gb"].prefix_cache_entries == 16
-    policy.enable_prefix_cache(max_entries=3)
-    assert policy.prefix_cache.max_entries == 3
+def test_the_profile_caps_the_prefix_cache(golden):
+    def entries(**options) -> int:
+        policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                        memory_profile="edge-16gb", **options)
+        return policy.metadata["prefix_cache"]["max_entries"]
+
+    assert entries(prefix_cache=100) == PROFILES["edge-16gb"].prefix_cache_entries == 16
+    assert entries(prefix_cache=3) == 3

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from vlaserve.engine import Batcher, BatcherClosed
+from vlaserve.runtime.batcher import Batcher, BatcherClosed
 
 # Batched vs single inference of the same inputs differ only in float32 reduction order
 # (measured up to 7e-7 on these actions); 1e-4 is 10x below the smallest bug-sized change (1.2e-3).
@@ -36,23 +36,27 @@ class GatedPolicy:
         self.batches: list[tuple[list[str], int | None]] = []
         self.fail_on = set(fail_on)
 
-    def infer_batch(self, observations, noise=None, seeds=None, num_steps=None, rtcs=None):
-        tasks = [o["task"] for o in observations]
-        self.batches.append((tasks, num_steps))
+    def run(self, requests):
+        tasks = [r.observation.task for r in requests]
+        self.batches.append((tasks, requests[0].num_steps))
         if len(self.batches) == 1:
             self.entered.set()
             self.gate.wait()
         if self.fail_on & set(tasks):
             raise RuntimeError("injected failure")
-        return self.policy.infer_batch(observations, noise=noise, seeds=seeds, num_steps=num_steps, rtcs=rtcs)
+        return self.policy.run(requests)
+
+
+def submit(batcher: Batcher, policy, obs: dict, seed=None, num_steps=None):
+    return batcher.submit(policy.request(obs, seed=seed, num_steps=num_steps))
 
 
 async def _submit_while_gated(batcher: Batcher, gated: GatedPolicy, requests: list[dict]):
     """Submits requests[0], waits until the worker holds it, queues the rest, opens the gate."""
     loop = asyncio.get_running_loop()
-    first = asyncio.ensure_future(batcher.submit(**requests[0]))
+    first = asyncio.ensure_future(submit(batcher, gated.policy, **requests[0]))
     await loop.run_in_executor(None, gated.entered.wait)
-    rest = [asyncio.ensure_future(batcher.submit(**r)) for r in requests[1:]]
+    rest = [asyncio.ensure_future(submit(batcher, gated.policy, **r)) for r in requests[1:]]
     await asyncio.sleep(0.05)  # let every submit reach the queue
     gated.gate.set()
     return await asyncio.gather(first, *rest, return_exceptions=True)
@@ -90,7 +94,7 @@ def test_a_failing_batch_fails_all_its_requests_and_the_worker_survives(golden_p
         results = asyncio.run(_submit_while_gated(batcher, gated, requests))
         assert not isinstance(results[0], Exception)
         assert [str(r) for r in results[1:]] == ["injected failure"] * 3  # tasks 1-3 shared the failing batch
-        after = asyncio.run(batcher.submit(observation(9), seed=9, num_steps=1))
+        after = asyncio.run(submit(batcher, golden_policy, observation(9), seed=9, num_steps=1))
         assert after.actions.shape == (50, 14)
     finally:
         batcher.close()
@@ -102,13 +106,14 @@ def test_close_drains_queued_requests_then_refuses_new_ones(golden_policy):
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        futures = [asyncio.ensure_future(batcher.submit(observation(i), seed=i, num_steps=1)) for i in range(5)]
+        futures = [asyncio.ensure_future(submit(batcher, golden_policy, observation(i), seed=i, num_steps=1))
+                   for i in range(5)]
         await loop.run_in_executor(None, gated.entered.wait)
         await asyncio.sleep(0.05)
         closing = loop.run_in_executor(None, batcher.close)  # blocks until drained
         await asyncio.sleep(0.05)
         with pytest.raises(BatcherClosed):
-            await batcher.submit(observation(9))
+            await submit(batcher, golden_policy, observation(9))
         gated.gate.set()
         await closing
         return await asyncio.gather(*futures)

@@ -10,32 +10,36 @@ import signal
 import sys
 from pathlib import Path
 
+from .checkpoint.files import ReadAhead, read_ahead
+from .config import RuntimeConfig
 from .errors import VlaserveError
-from .files import WEIGHT_LOADERS, ReadAhead, read_ahead
 
 log = logging.getLogger("vlaserve")
 
-# name: (type, default, metavar, help). The same names are the keys of a --config JSON file.
-SERVE_OPTIONS: dict[str, tuple[type, object, str, str]] = {
-    "host": (str, "127.0.0.1", "HOST", "address to bind"),
+# The server's own options: name -> (type, default, metavar, help). The runtime's options are
+# RuntimeConfig's fields (config.py); both are also the keys of a --config JSON file.
+SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
+    "host": (str, "127.0.0.1", "HOST", "address to bind (0.0.0.0: every interface, for robots on other computers)"),
     "port": (int, 8000, "PORT", "port to bind"),
-    "device": (str, "auto", "DEVICE", "auto, cpu or cuda (auto: cuda when available)"),
-    "dtype": (str, "auto", "DTYPE", "auto, bfloat16 or float32 (auto: bfloat16 on CUDA, float32 on a CPU)"),
-    "max_batch_size": (int, 8, "N", "most observations run in one batch"),
     "batch_delay_ms": (float, 2.0, "MS", "how long the first request of a batch waits for company"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY)"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
-    "tokenizer": (str, None, "PATH", "tokenizer directory or file, when the checkpoint has none"),
-    "memory_profile": (str, "default", "PROFILE",
-                       "default, edge-16gb or offload: where the weights live, what the engine keeps (docs/memory.md)"),
-    "warmup": (str, "background", "MODE",
-               "CUDA: background (serve with the eager model until kernels and graphs are ready) or blocking"),
-    "weights_loader": (str, "safetensors", "LOADER",
-                       "safetensors (mmap, read ahead while starting) or runai-streamer (pip install 'vlaserve[runai]')"),
-    "prefix_cache": (int, 0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)"),
-    "prompt_buckets": (str, None, "L1,L2",
-                       "pad prompts only to the smallest of these token lengths that fits (speed; docs/gpu.md)"),
 }
+# `vlaserve serve` restarts should answer at once: its warm-up runs in the background by default.
+SERVE_RUNTIME_DEFAULTS = {"warmup": "background"}
+
+
+def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
+    kinds = {int: int, str: str, "int": int, "str": str, "str | None": str, "tuple[int, ...]": str}
+    out = {}
+    for f in RuntimeConfig.options():
+        default = SERVE_RUNTIME_DEFAULTS.get(f.name, f.default)
+        out[f.name] = (kinds[f.type], ",".join(map(str, default)) if isinstance(default, tuple) else default,
+                       f.metadata["metavar"], f.metadata["help"])
+    return out
+
+
+SERVE_OPTIONS = {**SERVER_OPTIONS, **_runtime_options()}
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 
 
@@ -112,7 +116,8 @@ def read_config_file(path: str) -> dict:
 
 
 def serve_options(cli: dict) -> dict:
-    """Defaults, overridden by the config file, overridden by the command line."""
+    """Defaults, overridden by the config file, overridden by the command line; the runtime's
+    options are checked by RuntimeConfig (options["runtime"])."""
     options = {name: spec[1] for name, spec in SERVE_OPTIONS.items()}
     options.update(checkpoint=None, camera_aliases=None)
     if "config" in cli:
@@ -120,20 +125,14 @@ def serve_options(cli: dict) -> dict:
     options.update({k: v for k, v in cli.items() if k in options})
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port {options['port']} is out of range")
-    if options["warmup"] not in ("background", "blocking"):
-        raise UsageError("warmup must be background or blocking")
-    if options["weights_loader"] not in WEIGHT_LOADERS:
-        raise UsageError(f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}")
-    if options["prefix_cache"] < 0:
-        raise UsageError("prefix_cache must not be negative")
-    if options["prompt_buckets"] and not all(b.strip().isdigit() for b in options["prompt_buckets"].split(",")):
-        raise UsageError("prompt_buckets must be comma-separated token lengths, e.g. 48,96")
-    if options["max_batch_size"] < 1:
-        raise UsageError("max_batch_size must be at least 1")
     if options["batch_delay_ms"] < 0:
         raise UsageError("batch_delay_ms must not be negative")
     if options["max_payload_mb"] <= 0:
         raise UsageError("max_payload_mb must be positive")
+    try:
+        options["runtime"] = RuntimeConfig(**{f.name: options[f.name] for f in RuntimeConfig.options()})
+    except VlaserveError as e:
+        raise UsageError(str(e)) from None
     return options
 
 
@@ -160,34 +159,25 @@ def serve_command(cli: dict) -> int:
 
     from . import Policy
     from .demo import demo_checkpoint
+    from .processing.layouts import camera_aliases
     from .server import ServerSettings, create_app
-    from .server.aliases import camera_aliases
 
+    runtime = options["runtime"]
     try:
-        checkpoint = options["checkpoint"] or demo_checkpoint()
-        policy = Policy.from_pretrained(checkpoint, device=options["device"], dtype=options["dtype"],
-                                        tokenizer=options["tokenizer"], memory_profile=options["memory_profile"],
-                                        max_batch_size=options["max_batch_size"], warmup=options["warmup"],
-                                        weights_loader=options["weights_loader"])
-        if options["prefix_cache"]:
-            policy.enable_prefix_cache(options["prefix_cache"])
-        if options["prompt_buckets"]:
-            policy.set_prompt_buckets(int(b) for b in options["prompt_buckets"].split(","))
         aliases = camera_aliases(options["camera_aliases"])
+        checkpoint = options["checkpoint"] or demo_checkpoint()
+        policy = Policy.from_pretrained(checkpoint, runtime)
     except (VlaserveError, ValueError, OSError) as e:
         log.error("%s", e)
         return 2
 
     max_payload_bytes = int(options["max_payload_mb"] * 2**20)
-    max_batch_size = options["max_batch_size"]
-    profile = policy.memory_profile
-    if profile.max_graph_batch is not None and max_batch_size > profile.max_graph_batch:
+    if runtime.batch_limit < runtime.max_batch_size:
         # The batcher then never forms a batch that would run without CUDA graphs (and their bounded buffers).
-        log.info("memory profile %s: batches of at most %d (max_batch_size %d lowered)", profile.name,
-                 profile.max_graph_batch, max_batch_size)
-        max_batch_size = profile.max_graph_batch
+        log.info("memory profile %s: batches of at most %d (max_batch_size %d lowered)", runtime.memory_profile,
+                 runtime.batch_limit, runtime.max_batch_size)
     settings = ServerSettings(api_key=options["api_key"], max_payload_bytes=max_payload_bytes,
-                              max_batch_size=max_batch_size, batch_delay_ms=options["batch_delay_ms"],
+                              max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
                               camera_aliases=aliases)
     app = create_app(policy, settings)
     log_startup(policy, options)
@@ -214,7 +204,7 @@ def read_checkpoint_ahead(options: dict) -> ReadAhead | None:
     """For a local checkpoint read through safetensors' mmap, starts pulling the weight files into
     the page cache now, while torch and the server are imported (vlaserve.files.ReadAhead)."""
     checkpoint = options["checkpoint"]
-    if options["weights_loader"] != "safetensors" or not checkpoint or not Path(checkpoint).expanduser().is_dir():
+    if options["runtime"].weights_loader != "safetensors" or not checkpoint or not Path(checkpoint).expanduser().is_dir():
         return None  # runai-streamer reads in parallel itself; the demo is tiny; a hub id is resolved later
     try:
         return read_ahead(Path(checkpoint).expanduser())
@@ -247,21 +237,22 @@ def log_startup(policy, options: dict) -> None:
 
 def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tokenizer: str | None = None) -> dict:
     """What `vlaserve info` reports, from headers and config files only (no weight is read)."""
-    import torch
 
     from .config import load_policy_config
     from .demo import demo_checkpoint
     from .errors import CheckpointError
-    from .memory import PROFILES, counts_by_dtype, estimate_memory, prefix_kv_bytes
-    from .files import resolve_checkpoint
+    from .checkpoint.files import resolve_checkpoint
+    from .checkpoint.weights import checkpoint_shapes
+    from .config import PROFILES
     from .processing.normalize import load_normalization
     from .processing.prompt import find_tokenizer
-    from .weights import checkpoint_shapes
+    from .runtime.device import DTYPES
+    from .runtime.memory import counts_by_dtype, estimate_memory, prefix_kv_bytes
 
     directory = resolve_checkpoint(checkpoint or demo_checkpoint())
     config = load_policy_config(directory)
     shapes = checkpoint_shapes(directory)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    torch_dtype = DTYPES[dtype]
     info = {
         "checkpoint": str(directory), "is_demo": config.is_demo, "dtype": dtype,
         "parameters": {"total": sum(counts_by_dtype(shapes, torch_dtype).values()),

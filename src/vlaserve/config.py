@@ -7,10 +7,12 @@ config.json still names the full-size variants), else from the variant names in 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from .errors import CheckpointError
+from .checkpoint.files import WEIGHT_LOADERS
+from .errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,11 @@ class PolicyConfig:
     @property
     def action_horizon(self) -> int:
         return self.model.chunk_size
+
+    @property
+    def prefix_len(self) -> int:
+        """Image tokens of every camera slot, then the prompt's tokens."""
+        return len(self.cameras) * self.model.vision.num_patches + self.max_token_len
 
     def with_model(self, model: ModelConfig) -> "PolicyConfig":
         return replace(self, model=model)
@@ -162,3 +169,92 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
         image_resolution=(int(resolution[0]), int(resolution[1])),
         is_demo=bool(arch and arch.get("demo")),
     )
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    name: str
+    summary: str
+    offload: bool = False  # vision + VLM layer matrices in pinned host memory, streamed per call
+    max_graph_batch: int | None = None  # largest batch with CUDA graphs, and the server's batch cap; None: no bound
+    prefix_cache_entries: int = 64  # the prefix cache's default size (one prefix's K/V per entry)
+
+
+PROFILES = {p.name: p for p in (
+    MemoryProfile("default", "all weights resident; CUDA graphs and buffers for every batch size"),
+    # Full size, a prefix cache entry is ~18 MB: 64 entries ~1.1 GiB, 16 ~0.28 GiB, 8 ~0.14 GiB.
+    MemoryProfile("edge-16gb", "all weights resident; CUDA graphs and server batches of at most 4, "
+                               "a smaller prefix cache", max_graph_batch=4, prefix_cache_entries=16),
+    MemoryProfile("offload", "vision tower and VLM layer matrices in pinned host memory, streamed layer by "
+                             "layer each call; expert, embeddings, projections and norms resident",
+                  offload=True, prefix_cache_entries=8),
+)}
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DTYPE_NAMES = ("auto", "bfloat16", "float32")
+WARMUP_MODES = ("blocking", "background")
+
+
+def _option(default, metavar: str, help: str):
+    """A RuntimeConfig field that is also a `vlaserve serve` option and a --config key."""
+    return field(default=default, metadata={"metavar": metavar, "help": help})
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a checkpoint is served: where, in which dtype, with which engine and caches. Validated
+    once, here; `vlaserve serve`'s options and --config keys are these fields."""
+
+    device: str = _option("auto", "DEVICE", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    dtype: str = _option("auto", "DTYPE", "auto, bfloat16 or float32 (auto: bfloat16 on CUDA, float32 on a CPU)")
+    max_batch_size: int = _option(8, "N", "most observations run in one batch (memory is checked for it)")
+    memory_profile: str = _option("default", "PROFILE", "default, edge-16gb or offload: where the weights live, "
+                                                        "what the engine keeps (docs/memory.md)")
+    warmup: str = _option("blocking", "MODE", "CUDA: blocking (ready when loaded) or background (serve with the "
+                                              "eager model until kernels and graphs are ready)")
+    weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
+                                                           "runai-streamer (pip install 'vlaserve[runai]')")
+    prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
+    prompt_buckets: tuple[int, ...] = _option((), "L1,L2", "pad prompts only to the smallest of these token "
+                                                           "lengths that fits (speed; docs/gpu.md)")
+    tokenizer: str | None = _option(None, "PATH", "tokenizer directory or file, when the checkpoint has none")
+    fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
+    memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
+
+    def __post_init__(self):
+        buckets = self.prompt_buckets
+        if isinstance(buckets, str):
+            if buckets.strip() and not all(b.strip().isdigit() for b in buckets.split(",")):
+                raise ConfigError("prompt_buckets must be comma-separated token lengths, e.g. 48,96")
+            buckets = [int(b) for b in buckets.split(",") if b.strip()]
+        object.__setattr__(self, "prompt_buckets", tuple(sorted({int(b) for b in buckets or ()})))
+        checks = [
+            (DEVICE_PATTERN.match(str(self.device)), f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}"),
+            (self.dtype in DTYPE_NAMES, f"dtype must be one of {', '.join(DTYPE_NAMES)}, not {self.dtype!r}"),
+            (self.memory_profile in PROFILES,
+             f"memory_profile must be one of {', '.join(PROFILES)}, not {self.memory_profile!r}"),
+            (self.warmup in WARMUP_MODES, f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}"),
+            (self.weights_loader in WEIGHT_LOADERS,
+             f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}, not {self.weights_loader!r}"),
+            (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
+            (self.prefix_cache >= 0, "prefix_cache must not be negative"),
+            (all(b >= 1 for b in self.prompt_buckets), "prompt_buckets must be positive token lengths"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def profile(self) -> MemoryProfile:
+        return PROFILES[self.memory_profile]
+
+    @property
+    def batch_limit(self) -> int:
+        """The largest batch that runs: max_batch_size, capped by the profile's graph batch."""
+        cap = self.profile.max_graph_batch
+        return self.max_batch_size if cap is None else min(self.max_batch_size, cap)
+
+    @staticmethod
+    def options() -> list:
+        """The fields that are command-line options (they carry a help text)."""
+        return [f for f in fields(RuntimeConfig) if "help" in f.metadata]

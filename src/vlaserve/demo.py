@@ -59,7 +59,7 @@ def write_demo_checkpoint(out: Path) -> None:
     from safetensors.torch import save_file as save_torch
 
     from .config import load_policy_config
-    from .weights import random_lerobot_state_dict
+    from .checkpoint.weights import random_lerobot_state_dict
 
     architecture = demo_architecture()
     _write_json(out / "architecture.json", architecture)

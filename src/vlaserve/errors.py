@@ -9,17 +9,29 @@ class VlaserveError(Exception):
     """Base class for every error vlaserve raises on purpose."""
 
 
+class ConfigError(VlaserveError, ValueError):
+    """A runtime or server setting is invalid (reported at startup, before anything loads)."""
+
+
 class CheckpointError(VlaserveError):
     """The checkpoint is missing, incomplete or does not match the model it claims to be."""
 
 
-class InvalidObservation(VlaserveError, ValueError):
-    """An observation (or a request option) is malformed. `field` names the offending input."""
+class InvalidInput(VlaserveError, ValueError):
+    """Something a caller sent is malformed. `field` names the offending input."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class InvalidObservation(InvalidInput):
+    """The observation does not fit this checkpoint (cameras, image layout, state dim)."""
+
+
+class InvalidRequest(InvalidInput):
+    """A value or request option is malformed (types, finiteness, ranges, noise or RTC shapes)."""
 
 
 class InsufficientMemory(VlaserveError):

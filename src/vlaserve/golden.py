@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
-from .model.pi05 import euler_times, rtc_guidance_weight, sinusoidal_time_embedding
+from .model.pi05 import RTCGuidance, euler_times, rtc_guidance_weight, sinusoidal_time_embedding
 
 # Bugs move these values by 1e-3 or more (golden README §3); independent float32
 # implementations agree to ~1e-6. 1e-5 sits between the two with margin on both sides.
@@ -72,7 +72,9 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         exact[name] = ours.shape == expected.shape and bool((ours == expected).all())
 
     obs = case.observations()
-    prepared = [policy.prepare(o) for o in obs]
+    rtcs = case.rtcs() or [None] * len(obs)
+    requests = [policy.request(o, rtc=r) for o, r in zip(obs, rtcs)]
+    prepared = [policy.prepare(r) for r in requests]
     exact["prompts"] = [p.prompt for p in prepared] == m["prompts"]
     exact["truncated"] = [p.truncated for p in prepared] == m["truncated"]
     equal("state_bins", np.stack([p.state_bins for p in prepared]), t["expected.state_bins"])
@@ -88,9 +90,10 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         [p.slot_cameras[s["slot"]] for s in m["model_image_order"]] == [s["camera"] for s in m["model_image_order"]]
         for p in prepared)
 
-    model = policy.model
+    model, device = policy.runtime.model, policy.runtime.device
     with torch.no_grad():
-        inputs = policy.collate(prepared).to(policy.device)
+        inputs, _, rtc = policy.preprocessor.collate(requests)
+        inputs = inputs.to(device)
         embs, pad_mask = model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
         delta("prefix_embs", embs, t["expected.prefix_embs"])
         equal("prefix_pad_mask", pad_mask, t["expected.prefix_pad_mask"])
@@ -103,9 +106,9 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         _, positions = model.action_attention(ctx, horizon)
         equal("suffix_position_ids", positions, t["expected.suffix_position_ids"])
 
-        noise = torch.from_numpy(t["input.noise"]).to(policy.device)
+        noise = torch.from_numpy(t["input.noise"]).to(device)
         batch = noise.shape[0]
-        one = torch.ones(batch, dtype=torch.float32, device=policy.device)
+        one = torch.ones(batch, dtype=torch.float32, device=device)
         delta("v_t1", model.velocity(noise, model.time_condition(one), ctx), t["expected.v_t1"])
 
         steps = m["num_steps"]
@@ -115,7 +118,8 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         emb = [sinusoidal_time_embedding(torch.full((batch,), s, dtype=torch.float32), width,
                                          model.config.time_min_period, model.config.time_max_period) for s in times]
         delta("trace.time_emb", torch.stack(emb), t["expected.trace.time_emb"])
-        rtc = policy.make_rtc(case.rtcs() or [None] * batch)
+        if rtc is not None:
+            rtc = RTCGuidance(rtc.prev.to(device), rtc.weights.to(device), rtc.max_weight.to(device))
         trace: dict = {}
         actions_model = model.denoise(ctx, noise, steps, rtc, trace=trace)
         for name in ("x_t", "v_t", "adarms_cond", "v_guided"):

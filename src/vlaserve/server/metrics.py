@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "postprocess", "encode")
+STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
 # From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -24,8 +24,6 @@ class Metrics:
                                     buckets=tuple(range(1, max_batch_size + 1)), registry=self.registry)
         self.in_flight = Gauge("vlaserve_inferences_in_flight", "Observations queued or running",
                                registry=self.registry)
-        self.hints = Counter("vlaserve_runtime_hints", "Requests that enabled a runtime hint (GPU engine only)",
-                             ["hint"], registry=self.registry)
 
     def observe_stages(self, timings_ms: dict[str, float]) -> None:
         for stage in STAGES:

@@ -16,10 +16,11 @@ import traceback
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from ..errors import InvalidObservation
-from .aliases import canonical_observation
+from ..errors import InvalidInput
+from ..processing.layouts import canonical_observation
+from ..types import Observation, Request
 from .codec import DecodeError, packb, unpackb
-from .schema import ApiError, float_array, image_array, invalid, invalid_observation, noise_array
+from .schema import ApiError, api_error, invalid
 from .service import Service, binary_frames, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
@@ -27,30 +28,21 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR = 1011
 
 
-def observation_from_openpi(raw, service: Service) -> tuple[dict, object]:
-    """An OpenPI/LeRobot/ALOHA observation dict -> (Policy observation, noise or None)."""
+def request_from_openpi(raw, service: Service) -> Request:
+    """An OpenPI/LeRobot/ALOHA observation dict -> a Request (OpenPI has no request options but noise)."""
     if not isinstance(raw, dict):
         raise invalid(None, "an observation must be a map of observation keys to values")
-    metadata = service.metadata
     try:
-        canonical = canonical_observation(raw, tuple(metadata["cameras"]), service.settings.camera_aliases)
-    except InvalidObservation as e:
-        raise invalid_observation(e) from None
-    if "state" not in canonical:
-        raise invalid("state", "missing: send the robot state as 'state' or 'observation/state'")
-    if "task" not in canonical:
-        raise invalid("task", "missing: send the instruction as 'prompt' or 'task'")
-    observation = {
-        "images": {cam: image_array(image, f"images.{cam}") for cam, image in canonical["images"].items()},
-        "state": float_array(canonical["state"], "state"),
-        "task": canonical["task"],
-    }
-    if "images_normalized" in canonical:
-        if not isinstance(canonical["images_normalized"], bool):
-            raise invalid("images_normalized", "must be true or false")
-        observation["images_normalized"] = canonical["images_normalized"]
-    noise = canonical.get("noise")
-    return observation, None if noise is None else noise_array(noise, "noise", metadata)
+        canonical = canonical_observation(raw, tuple(service.metadata["cameras"]), service.settings.camera_aliases)
+        if "state" not in canonical:
+            raise invalid("state", "missing: send the robot state as 'state' or 'observation/state'")
+        if "task" not in canonical:
+            raise invalid("task", "missing: send the instruction as 'prompt' or 'task'")
+        observation = Observation.create(canonical["images"], canonical["state"], canonical["task"],
+                                         canonical.get("images_normalized", False))
+        return Request.create(observation, noise=canonical.get("noise"))
+    except InvalidInput as e:
+        raise api_error(e) from None
 
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
@@ -66,11 +58,10 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
                     raw = unpackb(frame)
                 except DecodeError as e:
                     raise ApiError(400, "invalid_msgpack", str(e)) from None
-                observation, noise = observation_from_openpi(raw, service)
-                prepared = await service.check(observation, in_request_body=False)
+                request = request_from_openpi(raw, service)
                 decode_ms = ms_since(started)
                 submitted = time.perf_counter()
-                result = await service.infer(prepared, noise)
+                result = await service.infer(request, in_request_body=False)
                 infer_ms = ms_since(submitted)
             except ApiError as error:
                 await _fail(websocket, service, route, error.type, error.status,

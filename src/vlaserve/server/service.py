@@ -11,15 +11,16 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..engine import Batcher, BatcherClosed
-from ..errors import InvalidObservation
-from .aliases import camera_aliases
+from ..errors import InvalidInput
+from ..processing.layouts import camera_aliases
+from ..runtime.batcher import Batcher, BatcherClosed
+from ..types import MAX_INFERENCE_STEPS, Request
 from .metrics import Metrics
-from .schema import MAX_INFERENCE_STEPS, ApiError, Generation, invalid_observation, parse_generation
+from .schema import ApiError, Generation, api_error, parse_generation
 
 log = logging.getLogger(__name__)
 
-MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "postprocess_ms")
+MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
 
 
@@ -47,16 +48,14 @@ def ms_since(start: float) -> float:
 
 
 def policy_timing(model_timings: Mapping[str, float]) -> dict[str, float]:
-    """OpenPI's `policy_timing`: model time (`infer_ms`) and its stages."""
-    stages = {k: float(model_timings[k]) for k in MODEL_STAGES if k in model_timings}
-    return {"infer_ms": sum(stages.values()), **stages}
+    """OpenPI's `policy_timing`: the policy's stages (queue excluded)."""
+    return {k: float(model_timings[k]) for k in MODEL_STAGES if k in model_timings}
 
 
 class Service:
     def __init__(self, policy, settings: ServerSettings):
         self.policy = policy
         self.settings = settings
-        self.metadata = policy.metadata  # computed once: it walks the model to count parameters
         self.metrics = Metrics(settings.max_batch_size)
         self.batcher: Batcher | None = None
 
@@ -84,12 +83,15 @@ class Service:
             raise ApiError(401, "unauthorized", "missing or wrong API key "
                                                 "(send 'Authorization: Bearer KEY' or 'X-API-Key: KEY')")
 
+    @property
+    def metadata(self) -> dict:
+        return self.policy.metadata  # live: fast path, prefix-cache stats and readiness change
+
     def public_metadata(self) -> dict:
         m = self.metadata
         return {
             "object": "model.metadata",
             **m,
-            "fast_path": self.policy.engine is not None,  # flips once a background warm-up finishes
             "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
                          "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
@@ -102,39 +104,36 @@ class Service:
             "camera_aliases": self.settings.camera_aliases,
         }
 
-    async def check(self, observation: dict, in_request_body: bool):
-        """Validates by preprocessing (off the event loop); the result is what gets batched, so an
-        observation is preprocessed once."""
+    async def prepare(self, request: Request, in_request_body: bool) -> Request:
+        """Checks the request against the checkpoint and preprocesses it, off the event loop; the
+        prepared request is what gets batched, so an observation is preprocessed once."""
         try:
-            return await asyncio.to_thread(self.policy.check_observation, observation)
-        except InvalidObservation as e:
-            raise invalid_observation(e, in_request_body) from None
+            await asyncio.to_thread(self.policy.prepare, request)
+        except InvalidInput as e:
+            raise api_error(e, in_request_body) from None
+        return request
 
-    async def infer(self, observation: dict, noise=None, seed=None, num_steps=None, rtc=None):
+    async def infer(self, request: Request, in_request_body: bool):
+        """Prepares, queues and runs one request. Returns the InferenceResult; its timings hold
+        queue_ms and the model stages."""
+        await self.prepare(request, in_request_body)
         try:
             with self.metrics.in_flight.track_inprogress():
-                return await self.batcher.submit(observation, noise, seed, num_steps, rtc)
+                return await self.batcher.submit(request)
         except BatcherClosed as e:
             raise ApiError(503, "shutting_down", str(e)) from None
-        except InvalidObservation as e:
-            raise invalid_observation(e) from None
+        except InvalidInput as e:
+            raise api_error(e, in_request_body) from None
         except Exception:
             log.exception("inference failed")
             raise ApiError(500, "internal_error", "inference failed; see the server log") from None
 
     async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:
         """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
-        the timings so far (decode, queue, model stages, infer = queue + model)."""
+        the timings so far (decode, queue, model stages)."""
         generation = parse_generation(body, self.metadata, self.settings.camera_aliases, msgpack_response)
-        prepared = await self.check(generation.observation, in_request_body=True)
-        for hint, enabled in generation.hints.items():
-            if enabled:
-                self.metrics.hints.labels(hint).inc()
         timings = {"decode_ms": ms_since(started)}
-        submitted = time.perf_counter()
-        result = await self.infer(prepared, generation.noise, generation.seed,
-                                  generation.num_steps, generation.rtc)
-        timings["infer_ms"] = ms_since(submitted)
+        result = await self.infer(generation.request, in_request_body=True)
         timings["queue_ms"] = result.timings["queue_ms"]
         timings.update({k: result.timings[k] for k in MODEL_STAGES if k in result.timings})
         return generation, result, timings
@@ -149,7 +148,7 @@ class Service:
         timings["total_ms"] = ms_since(started)
         self.metrics.observe_stages(timings)
         if generation.response_format == "raw":
-            server = {k: timings[k] for k in ("infer_ms", "decode_ms", "queue_ms", "encode_ms", "total_ms")}
+            server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms")}
             return {"actions": values, "server_timing": server, "policy_timing": policy_timing(result.timings)}
         body = {
             "id": f"actgen-{uuid.uuid4().hex}",
@@ -159,8 +158,10 @@ class Service:
             "data": [{"index": 0, "action": {"values": values, "shape": list(actions.shape),
                                              "dtype": str(actions.dtype)}}],
         }
+        if result.warnings:
+            body["warnings"] = result.warnings
         if generation.return_timing:
             body["timings"] = {k: timings[k] for k in
-                               ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "infer_ms", "total_ms")
+                               ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "total_ms")
                                if k in timings}
         return body

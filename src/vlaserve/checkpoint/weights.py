@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
-from .errors import CheckpointError
+from ..config import ModelConfig
+from ..errors import CheckpointError
 from .files import check_weight_loader, checkpoint_files
-from .model.pi05 import Pi05Model
+from ..model.pi05 import Pi05Model
 
 _PG = "paligemma_with_expert.paligemma.model."
 _VIS = _PG + "vision_tower.vision_model."

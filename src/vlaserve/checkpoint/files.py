@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Dynamic batching in front of a Policy.
+"""Dynamic batching in front of a Policy: Requests in, InferenceResults out.
 
 One worker thread owns the policy (and so the device); asyncio handlers only enqueue and await.
 Requests that arrive within `batch_delay_ms` of the first one share a single `infer_batch` call,
@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import InvalidObservation
+from ..errors import InvalidInput
+from ..types import Request
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +27,15 @@ class BatcherClosed(RuntimeError):
 
 
 @dataclass
-class _Request:
-    obs: dict
-    noise: object
-    seed: int | None
-    num_steps: int | None
-    rtc: dict | None
+class _Pending:
+    request: Request
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_steps(self) -> int | None:
+        return self.request.num_steps
 
 
 _STOP = object()
@@ -58,11 +59,10 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="vlaserve-inference", daemon=True)
         self._thread.start()
 
-    async def submit(self, obs: dict, noise=None, seed: int | None = None, num_steps: int | None = None,
-                     rtc: dict | None = None):
-        """Runs one observation; the result's `timings` gains `queue_ms`."""
+    async def submit(self, request: Request):
+        """Runs one request; the result's `timings` gains `queue_ms`."""
         loop = asyncio.get_running_loop()
-        request = _Request(obs, noise, seed, num_steps, rtc, loop, loop.create_future())
+        request = _Pending(request, loop, loop.create_future())
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the server is shutting down")
@@ -105,22 +105,16 @@ class Batcher:
                         break
             self._execute(batch)
 
-    def _execute(self, batch: list[_Request]) -> None:
+    def _execute(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
         if self.on_batch is not None:
             self.on_batch(len(batch))
         try:
-            results = self.policy.infer_batch(
-                [r.obs for r in batch],
-                noise=_per_item(r.noise for r in batch),
-                seeds=_per_item(r.seed for r in batch),
-                num_steps=batch[0].num_steps,
-                rtcs=_per_item(r.rtc for r in batch),
-            )
+            results = self.policy.run([p.request for p in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"infer_batch returned {len(results)} results for {len(batch)} observations")
         except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
-            if not isinstance(error, InvalidObservation):
+            if not isinstance(error, InvalidInput):
                 log.exception("infer_batch failed for a batch of %d", len(batch))
             for request in batch:
                 _resolve(request, error=error)
@@ -130,12 +124,7 @@ class Batcher:
             _resolve(request, result=result)
 
 
-def _per_item(values) -> list | None:
-    values = list(values)
-    return None if all(v is None for v in values) else values
-
-
-def _resolve(request: _Request, result=None, error: Exception | None = None) -> None:
+def _resolve(request: _Pending, result=None, error: Exception | None = None) -> None:
     def settle() -> None:
         if request.future.done():  # the caller went away (cancelled); nobody is waiting
             return

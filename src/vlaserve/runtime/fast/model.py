@@ -1,94 +1,24 @@
-"""CUDA fast path: fused weights, static buffers and CUDA graphs for the whole Pi0.5 call.
+"""Pi05Model's function over static buffers, with fewer, larger kernels (the fast path's math).
 
-The eager model (vlaserve.model) stays the reference that CPU tests exercise; this module
-computes the same function with fewer, larger kernels:
-- Q/K/V and gate/up projections fused into one GEMM each; Gemma (1 + w) norm weights folded.
+- Q/K/V and gate/up projections through the fused weights (weights.py).
 - The time condition and every AdaRMS modulation precomputed per step (they depend only on t).
 - The prefix writes its K/V once into a static cache whose tail holds the action tokens' K/V,
   so an Euler step never concatenates.
-- One graph for the prefix (per batch size) and one for all Euler steps (per batch size, step
-  count and RTC on/off), replayed back to back with events between them for stage timings.
+Every method is CUDA-graph safe (graphs.py captures them), except the prefix when a layer stream
+(the offload profile) brings its weights in.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
-from ..model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
+from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
+from ...model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
 from . import kernels
-
-
-def _adjacent_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The one tensor whose row slices `parts` already are (back to back in one storage), or None."""
-    first = parts[0]
-    for a, b in zip(parts, parts[1:]):
-        if (b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or b.dtype != a.dtype
-                or b.shape[1:] != a.shape[1:] or not (a.is_contiguous() and b.is_contiguous())
-                or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size()):
-            return None
-    rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def _fuse(*linears, bias: bool = False, views_only: bool = False) -> torch.Tensor:
-    """The layers' weights (or biases) as one tensor whose slices the layers' parameters are, so the
-    fused tensor is the only copy: their span when they already lie back to back (offload slots),
-    else a concatenation the parameters are re-pointed into (`views_only` forbids that)."""
-    parts = [lin.bias if bias else lin.weight for lin in linears]
-    span = _adjacent_span([p.data for p in parts])
-    if span is not None:
-        return span
-    if views_only:
-        raise ValueError("fused weights must alias the offload slots, but the parts are not adjacent there")
-    fused = torch.cat([p.data for p in parts], dim=0)
-    offset = 0
-    for p in parts:
-        p.data = fused[offset:offset + p.shape[0]]
-        offset += p.shape[0]
-    return fused
-
-
-@dataclass
-class LayerWeights:
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, W]
-    o: torch.Tensor
-    gate_up: torch.Tensor  # [2 M, W]
-    down: torch.Tensor
-    norm1: torch.Tensor | None  # (1 + w), fp32; None for the AdaRMS expert
-    norm2: torch.Tensor | None
-
-
-class FusedWeights:
-    @staticmethod
-    def of(model: Pi05Model, views_only: bool = False) -> "FusedWeights":
-        """One fusion per model: a second engine on the same model shares it instead of copying."""
-        if getattr(model, "_fused_weights", None) is None:
-            model._fused_weights = FusedWeights(model, views_only)
-        return model._fused_weights
-
-    def __init__(self, model: Pi05Model, views_only: bool = False):
-        def layer(lyr, ada: bool) -> LayerWeights:
-            a, m = lyr.self_attn, lyr.mlp
-            return LayerWeights(
-                qkv=_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only and not ada), o=a.o_proj.weight,
-                gate_up=_fuse(m.gate_proj, m.up_proj, views_only=views_only and not ada),
-                down=m.down_proj.weight,
-                norm1=None if ada else (1.0 + lyr.input_layernorm.weight.float()),
-                norm2=None if ada else (1.0 + lyr.post_attention_layernorm.weight.float()))
-
-        self.vlm = [layer(lyr, ada=False) for lyr in model.vlm.layers]
-        self.expert = [layer(lyr, ada=True) for lyr in model.expert.layers]
-        self.vision_qkv = []
-        for lyr in model.vision.layers:
-            a = lyr.self_attn
-            self.vision_qkv.append((_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only),
-                                    _fuse(a.q_proj, a.k_proj, a.v_proj, bias=True)))
+from .weights import FusedWeights
 
 
 class TimeSchedule:
@@ -369,158 +299,3 @@ class StaticRTC:
         self.weights.copy_(rtc.weights)
         self.guidance.copy_(torch.stack([rtc_guidance_weight(t, rtc.max_weight) for t in times]))
 
-
-class _Graph:
-    def __init__(self, fn, pool, stream: torch.cuda.Stream, capture_lock):
-        # Warm up on a side stream (allocator + library handles), then capture. One stream per
-        # engine: each new stream would get (and keep) its own cuBLAS workspace.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # The warm-up runs above (which compile the Triton kernels: the slow part) may overlap the
-        # serving thread's eager calls; the capture itself holds the policy's device lock.
-        with capture_lock, torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.output = fn()
-
-    def replay(self):
-        self.graph.replay()
-        return self.output
-
-
-class CudaGraphEngine:
-    """Runs Policy batches through FastPi05 captured in CUDA graphs.
-
-    Static buffers and graphs exist per (batch size, prompt length); a prompt length other than
-    the checkpoint's comes only from opt-in prompt-length buckets. With a `layer_stream` (offload)
-    the prefix runs the same kernels outside graphs, as its weights arrive layer by layer.
-    """
-
-    def __init__(self, model: Pi05Model, num_cameras: int, token_len: int, horizon: int,
-                 use_graphs: bool = True, use_triton: bool = True, max_graph_batch: int | None = None,
-                 capture_lock=None, layer_stream=None):
-        self.fast = FastPi05(model, use_triton=use_triton, layer_stream=layer_stream)
-        self.model = model
-        self.device = model.action_in_proj.weight.device
-        self.num_cameras, self.token_len, self.horizon = num_cameras, token_len, horizon
-        self.use_graphs = use_graphs
-        self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
-        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._capture_stream = torch.cuda.Stream() if use_graphs else None
-        self._capture_lock = capture_lock if capture_lock is not None else threading.RLock()
-        self._buffers: dict[tuple, dict] = {}
-        self._prefix_graphs: dict[tuple, _Graph] = {}
-        self._denoise_graphs: dict[tuple, _Graph] = {}
-
-    def prefix_len(self, token_len: int) -> int:
-        return self.num_cameras * self.model.vision.dims.num_patches + token_len
-
-    def buffers(self, b: int, token_len: int) -> dict:
-        if (b, token_len) not in self._buffers:
-            vis, d = self.model.vision.dims, self.fast.vlm_dims
-            dev, res, layers = self.device, vis.image_size, len(self.fast.w.vlm)
-            plen = self.prefix_len(token_len)
-            total = -(-(plen + self.horizon) // 64) * 64  # attention kernels tile keys by 64
-            self._buffers[(b, token_len)] = {
-                "images": torch.zeros(b, self.num_cameras, 3, res, res, device=dev),
-                "image_masks": torch.ones(b, self.num_cameras, dtype=torch.bool, device=dev),
-                "tokens": torch.zeros(b, token_len, dtype=torch.long, device=dev),
-                "token_mask": torch.ones(b, token_len, dtype=torch.bool, device=dev),
-                "noise": torch.zeros(b, self.horizon, self.model.config.max_action_dim, device=dev),
-                "k_cache": torch.zeros(layers, b, total, d.head_dim, dtype=self.fast.dtype, device=dev),
-                "v_cache": torch.zeros(layers, b, total, d.head_dim, dtype=self.fast.dtype, device=dev),
-                "pad": torch.ones(b, plen, dtype=torch.bool, device=dev),
-                "rtc": {},
-            }
-        return self._buffers[(b, token_len)]
-
-    def _run_prefix(self, buf, vision_slots: int):
-        pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
-                               buf["k_cache"], buf["v_cache"], vision_slots)
-        buf["pad"].copy_(pad)
-        return buf["pad"]
-
-    def _run_denoise(self, buf, num_steps: int, rtc: StaticRTC | None):
-        sched = self.fast.schedule(num_steps)
-        return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
-
-    def _restore_prefix(self, buf, entries) -> None:
-        plen = buf["pad"].shape[1]
-        for i, e in enumerate(entries):
-            buf["k_cache"][:, i, :plen] = e.k
-            buf["v_cache"][:, i, :plen] = e.v
-            buf["pad"][i] = e.pad
-
-    @torch.no_grad()
-    def sample(self, inputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
-               prefix_cache=None, prefix_keys=None):
-        b, token_len = inputs.tokens.shape
-        buf = self.buffers(b, token_len)
-        graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
-        entries = [prefix_cache.get(k) for k in prefix_keys] if prefix_cache is not None else None
-        hit = entries is not None and all(e is not None for e in entries)
-        # Absent cameras sit in the last slots; slots absent from every item skip the vision tower.
-        present = inputs.image_masks.any(0).tolist()
-        vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
-        if not hit:
-            buf["images"].copy_(inputs.images)
-            buf["image_masks"].copy_(inputs.image_masks)
-            buf["tokens"].copy_(inputs.tokens)
-            buf["token_mask"].copy_(inputs.token_mask)
-        buf["noise"].copy_(noise)
-        static_rtc = None
-        if rtc is not None:
-            if num_steps not in buf["rtc"]:
-                buf["rtc"][num_steps] = StaticRTC.allocate(b, self.horizon, noise.shape[2], num_steps, self.device)
-            static_rtc = buf["rtc"][num_steps]
-            static_rtc.fill(rtc, self.fast.schedule(num_steps).times)
-        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        started = time.perf_counter()
-        start.record()
-        if hit:
-            self._restore_prefix(buf, entries)
-        elif self.fast.layer_stream is not None:
-            # The layer slots are shared with the eager model's calls during a background warm-up.
-            with self._capture_lock:
-                self._run_prefix(buf, vision_slots)
-        elif graphs:
-            key = (b, token_len, vision_slots)
-            if key not in self._prefix_graphs:
-                self._prefix_graphs[key] = _Graph(lambda: self._run_prefix(buf, vision_slots), self._pool,
-                                                 self._capture_stream, self._capture_lock)
-            self._prefix_graphs[key].replay()
-        else:
-            self._run_prefix(buf, vision_slots)
-        mid.record()
-        if graphs:
-            key = (b, token_len, num_steps, static_rtc is not None)
-            if key not in self._denoise_graphs:
-                self.fast.schedule(num_steps)
-                self._denoise_graphs[key] = _Graph(lambda: self._run_denoise(buf, num_steps, static_rtc), self._pool,
-                                                 self._capture_stream, self._capture_lock)
-            out = self._denoise_graphs[key].replay()
-        else:
-            out = self._run_denoise(buf, num_steps, static_rtc)
-        end.record()
-        if entries is not None and not hit:
-            from .prefix_cache import PrefixEntry
-
-            plen = buf["pad"].shape[1]
-            for i, (key, e) in enumerate(zip(prefix_keys, entries)):
-                if e is None:
-                    prefix_cache.put(key, PrefixEntry(buf["k_cache"][:, i, :plen].clone(),
-                                                      buf["v_cache"][:, i, :plen].clone(), buf["pad"][i].clone()))
-        end.synchronize()
-        return out.clone(), {"prefix_ms": start.elapsed_time(mid), "denoise_ms": mid.elapsed_time(end),
-                             "host_ms": (time.perf_counter() - started) * 1e3}
-
-    def warmup(self, batch_sizes=(1,), num_steps: int = 10) -> None:
-        """Compiles the kernels and captures graphs ahead of the first request."""
-        from ..policy import ModelInputs
-
-        for b in batch_sizes:
-            buf = self.buffers(b, self.token_len)
-            inputs = ModelInputs(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"])
-            self.sample(inputs, torch.randn_like(buf["noise"]), num_steps, None)

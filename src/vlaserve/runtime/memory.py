@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from .config import PolicyConfig
-from .engine.offload import STREAMED_PREFIXES, streamed
-from .errors import CheckpointError, InsufficientMemory
-from .files import available_memory_bytes
-from .weights import checkpoint_shapes, param_dtype
+from ..checkpoint.files import available_memory_bytes
+from ..checkpoint.weights import checkpoint_shapes, param_dtype
+from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig
+from ..errors import InsufficientMemory
+from .fast.buffers import BufferSpec
+from .offload import STREAMED_PREFIXES, streamed
 
 log = logging.getLogger(__name__)
 
@@ -42,36 +43,6 @@ GIB = 2**30
 # a margin over that. bench/bench_memory.py prints estimate and measured peak side by side to recheck.
 # (The CUDA context is outside the allocator and already missing from the free memory the check reads.)
 HEADROOM_BYTES = 768 * 2**20
-# The fast path pads the K/V cache to a multiple of its attention kernels' 64-key tiles.
-KV_TILE = 64
-
-
-@dataclass(frozen=True)
-class MemoryProfile:
-    name: str
-    summary: str
-    offload: bool = False  # vision + VLM layer matrices in pinned host memory, streamed per call
-    max_graph_batch: int | None = None  # largest batch with CUDA graphs, and the server's batch cap; None: no bound
-    prefix_cache_entries: int = 64  # the opt-in prefix cache's size (one prefix's K/V per entry)
-
-
-PROFILES = {p.name: p for p in (
-    MemoryProfile("default", "all weights resident; CUDA graphs and buffers for every batch size"),
-    # Full size, a prefix cache entry is ~18 MB: 64 entries ~1.1 GiB, 16 ~0.28 GiB, 8 ~0.14 GiB.
-    MemoryProfile("edge-16gb", "all weights resident; CUDA graphs and server batches of at most 4, "
-                               "a smaller prefix cache", max_graph_batch=4, prefix_cache_entries=16),
-    MemoryProfile("offload", "vision tower and VLM layer matrices in pinned host memory, streamed layer by "
-                             "layer each call; expert, embeddings, projections and norms resident",
-                  offload=True, prefix_cache_entries=8),
-)}
-
-
-def get_profile(name: str) -> MemoryProfile:
-    if name not in PROFILES:
-        raise CheckpointError(f"memory profile {name!r} is not supported (choose from {', '.join(PROFILES)})")
-    return PROFILES[name]
-
-
 def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
@@ -113,35 +84,24 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def prefix_length(config: PolicyConfig) -> int:
-    return len(config.cameras) * config.model.vision.num_patches + config.max_token_len
-
-
 def prefix_kv_bytes(config: PolicyConfig, itemsize: int) -> int:
     """K and V of one prefix over every VLM layer: [L, Hkv, P, D] each (also one prefix cache entry)."""
     g = config.model.vlm
-    return 2 * g.depth * g.num_kv_heads * prefix_length(config) * g.head_dim * itemsize
+    return 2 * g.depth * g.num_kv_heads * config.prefix_len * g.head_dim * itemsize
 
 
-def _kv_and_buffers_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> int:
+def _kv_and_buffers_per_item(config: PolicyConfig, dtype: torch.dtype, graphs: bool) -> int:
     if not graphs:
         # Eager: the prefix's per-layer K/V, alive from the prefix pass to the last Euler step.
-        return prefix_kv_bytes(config, itemsize)
-    # CudaGraphEngine.buffers: K and V [L, T, Hkv·D] with T = P + H rounded up to the key tile, plus the
-    # float32 images and noise and the int64 tokens it copies each call's inputs into.
-    g = config.model.vlm
-    p, h = prefix_length(config), config.action_horizon
-    t = -(-(p + h) // KV_TILE) * KV_TILE
-    res = config.model.vision.image_size
-    return (2 * g.depth * t * g.num_kv_heads * g.head_dim * itemsize + len(config.cameras) * 3 * res * res * 4
-            + h * config.model.max_action_dim * 4 + config.max_token_len * 8)
+        return prefix_kv_bytes(config, dtype.itemsize)
+    return BufferSpec.of(config, 1, dtype).nbytes()  # the fast path's static buffers, per batch item
 
 
 def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> int:
     """The widest moment of one call, per batch item: a vision layer or a prefix layer, whichever is
     larger (the expert's steps cover H = 50 tokens against the prefix's ~1000 and stay far below)."""
     v, g = config.model.vision, config.model.vlm
-    p, s = prefix_length(config), itemsize
+    p, s = config.prefix_len, itemsize
     # Vision, per image: residual stream, normed input and attention output [N, W]; fc1 and its GELU
     # [N, mlp]. Attention goes through SDPA, which on CUDA never materializes the [N, N] scores.
     vision = len(config.cameras) * v.num_patches * (3 * v.width + 2 * v.mlp_dim) * s
@@ -185,7 +145,7 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     buffer_items = batch * (batch + 1) // 2 if graphs else batch
     return MemoryEstimate(
         profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,
-        kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, itemsize, graphs),
+        kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, dtype, graphs),
         activations=batch * _activations_per_item(config, itemsize, graphs),
         headroom=HEADROOM_BYTES, host_pinned=host_bytes)
 
@@ -243,17 +203,17 @@ def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype
         f"{gib(budget.usable)} ({budget.source}). {advice}")
 
 
-def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torch.dtype, profile: MemoryProfile,
-                         device: torch.device, batch_size: int, budget_bytes: int | None,
-                         fast_path: bool) -> MemoryEstimate | None:
+def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torch.dtype, settings: RuntimeConfig,
+                         device: torch.device) -> MemoryEstimate | None:
     """Policy.from_pretrained's startup check, from the checkpoint's headers. It runs on CUDA, or
-    anywhere when `budget_bytes` is given; host memory (the CPU device) is not checked otherwise."""
-    if budget_bytes is None and device.type != "cuda":
+    anywhere when `settings.memory_budget_bytes` is given; host memory (the CPU device) is not checked otherwise."""
+    if settings.memory_budget_bytes is None and device.type != "cuda":
         return None
-    budget = given_budget(budget_bytes) if budget_bytes is not None else cuda_budget(device)
-    needed = check_fit(checkpoint_shapes(checkpoint_dir), config, dtype, profile, batch_size, budget,
-                       fast_path and device.type == "cuda")
-    log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", profile.name,
+    budget = (given_budget(settings.memory_budget_bytes) if settings.memory_budget_bytes is not None
+              else cuda_budget(device))
+    needed = check_fit(checkpoint_shapes(checkpoint_dir), config, dtype, settings.profile, settings.max_batch_size,
+                       budget, settings.fast_path and device.type == "cuda")
+    log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", settings.memory_profile,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
     check_host_fit(needed, available_memory_bytes())
     return needed

@@ -40,6 +40,11 @@ class PrefixCache:
             h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
         return h.digest()
 
+    def fetch(self, keys: list[bytes]) -> tuple[list[PrefixEntry | None], bool]:
+        """Each key's entry (None where missing), and whether every key hit (then the prefix is skipped)."""
+        entries = [self.get(k) for k in keys]
+        return entries, all(e is not None for e in entries)
+
     def get(self, key: bytes) -> PrefixEntry | None:
         entry = self._entries.get(key)
         if entry is None:

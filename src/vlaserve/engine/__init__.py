@@ -1,3 +1,0 @@
-from .batcher import Batcher, BatcherClosed
-
-__all__ = ["Batcher", "BatcherClosed"]

@@ -1,0 +1,133 @@
+"""Request -> PreparedObservation -> ModelInputs, and model actions -> robot actions.
+
+Everything here depends on the checkpoint (cameras, dims, normalization, tokenizer); value checks
+happened when the Request was built (vlaserve.types). Each request is prepared once, on whichever
+thread validates it, and the batch is only stacked afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..config import PolicyConfig
+from ..errors import InvalidObservation, InvalidRequest
+from ..model.pi05 import RTCGuidance, rtc_prefix_weights
+from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
+from .images import bytes_to_model_range, empty_image, prepare_image
+from .normalize import Normalization
+from .prompt import PromptTokenizer, build_prompt, discretize_state
+
+log = logging.getLogger(__name__)
+
+
+class Preprocessor:
+    def __init__(self, config: PolicyConfig, normalization: Normalization, tokenizer: PromptTokenizer,
+                 prompt_buckets: tuple[int, ...] = ()):
+        self.config, self.normalization, self.tokenizer = config, normalization, tokenizer
+        self.state_norm = normalization.state.cut(config.state_dim)
+        self.action_norm = normalization.action.cut(config.action_dim)
+        if prompt_buckets and not 1 <= prompt_buckets[0] <= prompt_buckets[-1] <= config.max_token_len:
+            raise ValueError(f"prompt buckets must lie in [1, {config.max_token_len}]")
+        # Opt-in: pad prompts only to the smallest bucket that holds the batch's longest prompt.
+        # Padding is masked, so actions change only by float reassociation.
+        self.prompt_buckets = tuple(sorted({*prompt_buckets, config.max_token_len})) if prompt_buckets else ()
+
+    @property
+    def noise_shape(self) -> tuple[int, int]:
+        return self.config.action_horizon, self.config.model.max_action_dim
+
+    def prepare(self, request: Request) -> PreparedObservation:
+        """Checks the request against this checkpoint and preprocesses it (once: the result is kept
+        on the request)."""
+        if request.prepared is not None:
+            return request.prepared
+        c, obs = self.config, request.observation
+        unknown = [k for k in obs.images if k not in c.cameras]
+        if unknown:
+            raise InvalidObservation(f"images.{unknown[0]}", f"unknown camera; this policy takes {list(c.cameras)}")
+        if obs.state.shape != (c.state_dim,):
+            raise InvalidObservation("state", f"expected shape [{c.state_dim}], got {list(obs.state.shape)}")
+        present = [cam for cam in c.cameras if cam in obs.images]
+        if not present:
+            raise InvalidObservation("images", "at least one camera image is required")
+        resolution = c.image_resolution[0]
+        # The reference's slot order: present cameras in config order, then the absent ones.
+        slot_cameras = present + [cam for cam in c.cameras if cam not in present]
+        slots = [prepare_image(obs.images[cam], resolution, f"images.{cam}", obs.images_normalized, keep_bytes=True)
+                 for cam in present]
+        if all(s.dtype == torch.uint8 for s in slots):
+            blank = torch.zeros_like(slots[0])  # byte 0 is -1 in the model's range, like empty_image
+        else:
+            slots = [bytes_to_model_range(s) if s.dtype == torch.uint8 else s for s in slots]
+            blank = empty_image(resolution)
+        slots += [blank] * (len(c.cameras) - len(present))
+
+        normalized_state = self.state_norm.normalize(obs.state)
+        bins = discretize_state(normalized_state)
+        prompt = build_prompt(obs.task, bins)
+        tokenized = self.tokenizer(prompt, c.max_token_len)
+        request.prepared = PreparedObservation(
+            images=torch.stack(slots), image_mask=torch.tensor([cam in present for cam in slot_cameras]),
+            slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
+            token_mask=torch.from_numpy(tokenized.mask), normalized_state=normalized_state, state_bins=bins,
+            prompt=prompt, truncated=tokenized.truncated, noise=self._noise(request),
+            rtc=None if request.rtc is None else self._rtc(request.rtc))
+        return request.prepared
+
+    def _noise(self, request: Request) -> torch.Tensor:
+        shape = self.noise_shape
+        if request.noise is not None:
+            if request.noise.shape != shape:
+                raise InvalidRequest("noise", f"expected shape {list(shape)}, got {list(request.noise.shape)}")
+            return torch.from_numpy(request.noise)
+        generator = None if request.seed is None else torch.Generator().manual_seed(request.seed)
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    def _rtc(self, rtc: RtcOptions) -> PreparedRtc:
+        h, a = self.noise_shape
+        chunk = rtc.prev_chunk
+        # Action-space chunks carry the robot's dims; model-space ones any prefix of the padded dims
+        # (LeRobot's left-over has only the robot's dims and is zero-padded).
+        width = self.config.action_dim if rtc.space == "action" else a
+        if not 1 <= chunk.shape[0] <= h or not 1 <= chunk.shape[1] <= width or (
+                rtc.space == "action" and chunk.shape[1] != width):
+            dims = f"D = {width}" if rtc.space == "action" else f"1 <= D <= {width}"
+            raise InvalidRequest("rtc.prev_chunk", f"must have shape [T, D] with 1 <= T <= {h} and {dims} "
+                                                   f"for space {rtc.space!r}, got {list(chunk.shape)}")
+        if rtc.space == "action":
+            chunk = self.action_norm.normalize(chunk)
+        prev = torch.zeros(h, a)
+        prev[: chunk.shape[0], : chunk.shape[1]] = torch.from_numpy(chunk)
+        weights = rtc_prefix_weights(rtc.inference_delay, min(rtc.execution_horizon, chunk.shape[0]), h, rtc.schedule)
+        return PreparedRtc(prev, weights, rtc.max_guidance_weight)
+
+    def collate(self, requests: list[Request]) -> tuple[ModelInputs, torch.Tensor, RTCGuidance | None]:
+        """The batch's model inputs (host), noise [B, H, A] and RTC guidance (None when no item has RTC)."""
+        prepared = [self.prepare(r) for r in requests]
+        images = [p.images for p in prepared]
+        if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
+            images = [bytes_to_model_range(im) if im.dtype == torch.uint8 else im for im in images]
+        tokens = torch.stack([p.tokens for p in prepared])
+        token_mask = torch.stack([p.token_mask for p in prepared])
+        if self.prompt_buckets:
+            longest = int(token_mask.sum(1).max())
+            length = next(b for b in self.prompt_buckets if b >= longest)
+            tokens, token_mask = tokens[:, :length].contiguous(), token_mask[:, :length].contiguous()
+        inputs = ModelInputs(torch.stack(images), torch.stack([p.image_mask for p in prepared]), tokens, token_mask)
+        noise = torch.stack([p.noise for p in prepared])
+        rtc = None
+        if any(p.rtc is not None for p in prepared):
+            h, a = self.noise_shape
+            # Items without RTC get zero weights, which leaves them unguided exactly.
+            prev = torch.stack([torch.zeros(h, a) if p.rtc is None else p.rtc.prev for p in prepared])
+            weights = torch.stack([torch.zeros(h) if p.rtc is None else p.rtc.weights for p in prepared])
+            max_weight = torch.tensor([0.0 if p.rtc is None else p.rtc.max_weight for p in prepared])
+            rtc = RTCGuidance(prev, weights, max_weight)
+        return inputs, noise, rtc
+
+    def postprocess(self, model_actions: np.ndarray) -> np.ndarray:
+        """Model-space actions [..., max_action_dim] -> the robot's actions [..., action_dim], un-normalized."""
+        return self.action_norm.unnormalize(model_actions[..., : self.config.action_dim])

@@ -1,0 +1,71 @@
+"""The fast path's static buffers, described once: `BufferSpec` allocates them for the runner and
+sums their bytes for the memory estimate (runtime/memory.py), so the two can never disagree.
+
+One set per (batch size, prompt length). The K/V cache holds the prefix's keys and values in its
+first `prefix_len` rows and the action tokens' in the next `horizon`, padded to the attention
+kernels' key tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...config import PolicyConfig
+
+# The attention kernels tile keys by 64 (kernels.py "block_t"): the cache length is a multiple of it.
+KV_TILE = 64
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    batch: int
+    cameras: int
+    resolution: int
+    token_len: int
+    prefix_len: int
+    horizon: int
+    max_action_dim: int
+    layers: int
+    head_dim: int  # K/V per token and layer (one KV head)
+    kv_dtype: torch.dtype
+
+    @staticmethod
+    def of(config: PolicyConfig, batch: int, kv_dtype: torch.dtype, token_len: int | None = None) -> "BufferSpec":
+        m = config.model
+        token_len = config.max_token_len if token_len is None else token_len
+        return BufferSpec(batch, len(config.cameras), m.vision.image_size, token_len,
+                          len(config.cameras) * m.vision.num_patches + token_len, config.action_horizon,
+                          m.max_action_dim, m.vlm.depth, m.vlm.num_kv_heads * m.vlm.head_dim, kv_dtype)
+
+    @property
+    def cache_len(self) -> int:
+        return -(-(self.prefix_len + self.horizon) // KV_TILE) * KV_TILE
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        b = self.batch
+        return {
+            "images": ((b, self.cameras, 3, self.resolution, self.resolution), torch.float32),
+            "image_masks": ((b, self.cameras), torch.bool),
+            "tokens": ((b, self.token_len), torch.int64),
+            "token_mask": ((b, self.token_len), torch.bool),
+            "noise": ((b, self.horizon, self.max_action_dim), torch.float32),
+            "k_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
+            "v_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
+            "pad": ((b, self.prefix_len), torch.bool),
+        }
+
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in self.layout().values():
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def allocate(self, device) -> dict[str, torch.Tensor]:
+        # Masks start all-true and the rest zero: a warm-up replay on them computes finite values.
+        return {name: (torch.ones if dtype == torch.bool else torch.zeros)(shape, dtype=dtype, device=device)
+                for name, (shape, dtype) in self.layout().items()}

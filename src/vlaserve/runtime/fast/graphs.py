@@ -1,0 +1,159 @@
+"""CUDA graphs over the fast path: static buffers per (batch size, prompt length), one graph for the
+prefix (per batch size, prompt length and vision slots) and one for all Euler steps (per batch size,
+prompt length, step count and RTC on/off), replayed back to back with events between them.
+
+`FastRunner.sample` is: pick the buffers, copy the inputs in, replay (or run: larger batches than
+the profile's graph cap, and the offload profile's prefix, run the same kernels without a graph),
+read the stage times.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ...config import PolicyConfig
+from ...model.pi05 import Pi05Model, RTCGuidance
+from ...types import ModelInputs
+from ..prefix_cache import PrefixEntry
+from .buffers import BufferSpec
+from .model import FastPi05, StaticRTC
+
+
+class _Graph:
+    def __init__(self, fn, pool, stream: torch.cuda.Stream, capture_lock):
+        # Warm up on a side stream (allocator + library handles), then capture. One stream per
+        # engine: each new stream would get (and keep) its own cuBLAS workspace.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # The warm-up runs above (which compile the Triton kernels: the slow part) may overlap the
+        # serving thread's eager calls; the capture itself holds the policy's device lock.
+        with capture_lock, torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = fn()
+
+    def replay(self):
+        self.graph.replay()
+        return self.output
+
+
+class FastRunner:
+    """Runs batches through FastPi05: fused weights, Triton kernels, CUDA graphs (`use_graphs`).
+
+    With a `layer_stream` (offload) the prefix runs the same kernels outside graphs, as its weights
+    arrive layer by layer; the Euler steps stay in graphs.
+    """
+
+    def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
+                 max_graph_batch: int | None = None, device_lock=None, layer_stream=None):
+        self.fast = FastPi05(model, use_triton=use_triton, layer_stream=layer_stream)
+        self.model, self.config = model, config
+        self.device = model.action_in_proj.weight.device
+        self.use_graphs = use_graphs
+        self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._capture_stream = torch.cuda.Stream() if use_graphs else None
+        self._device_lock = device_lock if device_lock is not None else threading.RLock()
+        self._buffers: dict[tuple, dict] = {}
+        self._rtc: dict[tuple, StaticRTC] = {}
+        self._prefix_graphs: dict[tuple, _Graph] = {}
+        self._denoise_graphs: dict[tuple, _Graph] = {}
+
+    def buffers(self, b: int, token_len: int) -> dict:
+        if (b, token_len) not in self._buffers:
+            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len)
+            self._buffers[(b, token_len)] = spec.allocate(self.device)
+        return self._buffers[(b, token_len)]
+
+    def _graphed(self, graphs: dict, key: tuple, fn):
+        if key not in graphs:
+            graphs[key] = _Graph(fn, self._pool, self._capture_stream, self._device_lock)
+        return graphs[key].replay()
+
+    def _prefix(self, buf, vision_slots: int, graphs: bool):
+        def run():
+            pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
+                                   buf["k_cache"], buf["v_cache"], vision_slots)
+            buf["pad"].copy_(pad)
+            return buf["pad"]
+
+        if self.fast.layer_stream is not None:
+            with self._device_lock:  # the layer slots are shared with the eager model's calls during a warm-up
+                return run()
+        if graphs:
+            return self._graphed(self._prefix_graphs, (*buf["tokens"].shape, vision_slots), run)
+        return run()
+
+    def _denoise(self, buf, num_steps: int, rtc: StaticRTC | None, graphs: bool):
+        def run():
+            sched = self.fast.schedule(num_steps)
+            return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
+
+        if graphs:
+            self.fast.schedule(num_steps)  # its tensors are allocated outside the capture
+            return self._graphed(self._denoise_graphs, (*buf["tokens"].shape, num_steps, rtc is not None), run)
+        return run()
+
+    def _static_rtc(self, b: int, token_len: int, num_steps: int, rtc: RTCGuidance) -> StaticRTC:
+        key = (b, token_len, num_steps)
+        if key not in self._rtc:
+            self._rtc[key] = StaticRTC.allocate(b, self.config.action_horizon, self.config.model.max_action_dim,
+                                                num_steps, self.device)
+        self._rtc[key].fill(rtc, self.fast.schedule(num_steps).times)
+        return self._rtc[key]
+
+    def restore_prefix(self, buf, entries: list[PrefixEntry]) -> None:
+        plen = buf["pad"].shape[1]
+        for i, e in enumerate(entries):
+            buf["k_cache"][:, i, :plen] = e.k
+            buf["v_cache"][:, i, :plen] = e.v
+            buf["pad"][i] = e.pad
+
+    @torch.no_grad()
+    def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
+               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None):
+        """-> (model-space actions [B, H, A] on the device, {prefix_ms, denoise_ms}).
+
+        `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
+        how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP)."""
+        b, token_len = inputs.tokens.shape
+        buf = self.buffers(b, token_len)
+        graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
+        if vision_slots is None:
+            present = inputs.image_masks.any(0).tolist()
+            vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
+        if prefix is None:
+            for name in ("images", "image_masks", "tokens", "token_mask"):
+                buf[name].copy_(getattr(inputs, name))
+        buf["noise"].copy_(noise)
+        static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        if prefix is not None:
+            self.restore_prefix(buf, prefix)
+        else:
+            self._prefix(buf, vision_slots, graphs)
+        mid.record()
+        out = self._denoise(buf, num_steps, static_rtc, graphs)
+        end.record()
+        self._last = buf
+        end.synchronize()
+        return out.clone(), {"prefix_ms": start.elapsed_time(mid), "denoise_ms": mid.elapsed_time(end)}
+
+    def prefix_entry(self, i: int) -> PrefixEntry:
+        """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
+        buf = self._last
+        plen = buf["pad"].shape[1]
+        return PrefixEntry(buf["k_cache"][:, i, :plen].clone(), buf["v_cache"][:, i, :plen].clone(),
+                           buf["pad"][i].clone())
+
+    def warmup(self, batch_sizes=(1,), num_steps: int = 10) -> None:
+        """Compiles the kernels and captures graphs ahead of the first request."""
+        for b in batch_sizes:
+            buf = self.buffers(b, self.config.max_token_len)
+            inputs = ModelInputs(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"])
+            self.sample(inputs, torch.randn_like(buf["noise"]), num_steps, None)

@@ -1,0 +1,80 @@
+"""Fused weights for the fast path, packed once at load: Q/K/V and gate/up become one matrix each,
+whose row slices the model's own parameters then are (so the fused tensor is the only copy and the
+eager model keeps running on the same storage). Gemma's (1 + w) norm weights are folded, in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...model.pi05 import Pi05Model
+
+
+def _adjacent_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose row slices `parts` already are (back to back in one storage), or None."""
+    first = parts[0]
+    for a, b in zip(parts, parts[1:]):
+        if (b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or b.dtype != a.dtype
+                or b.shape[1:] != a.shape[1:] or not (a.is_contiguous() and b.is_contiguous())
+                or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size()):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _fuse(*linears, bias: bool = False, views_only: bool = False) -> torch.Tensor:
+    """The layers' weights (or biases) as one tensor whose slices the layers' parameters are, so the
+    fused tensor is the only copy: their span when they already lie back to back (offload slots),
+    else a concatenation the parameters are re-pointed into (`views_only` forbids that)."""
+    parts = [lin.bias if bias else lin.weight for lin in linears]
+    span = _adjacent_span([p.data for p in parts])
+    if span is not None:
+        return span
+    if views_only:
+        raise ValueError("fused weights must alias the offload slots, but the parts are not adjacent there")
+    fused = torch.cat([p.data for p in parts], dim=0)
+    offset = 0
+    for p in parts:
+        p.data = fused[offset:offset + p.shape[0]]
+        offset += p.shape[0]
+    return fused
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, W]
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 M, W]
+    down: torch.Tensor
+    norm1: torch.Tensor | None  # (1 + w), fp32; None for the AdaRMS expert
+    norm2: torch.Tensor | None
+
+
+class FusedWeights:
+    @staticmethod
+    def of(model: Pi05Model, views_only: bool = False) -> "FusedWeights":
+        """One fusion per model: a second engine on the same model shares it instead of copying."""
+        if getattr(model, "_fused_weights", None) is None:
+            model._fused_weights = FusedWeights(model, views_only)
+        return model._fused_weights
+
+    def __init__(self, model: Pi05Model, views_only: bool = False):
+        def layer(lyr, ada: bool) -> LayerWeights:
+            a, m = lyr.self_attn, lyr.mlp
+            return LayerWeights(
+                qkv=_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only and not ada), o=a.o_proj.weight,
+                gate_up=_fuse(m.gate_proj, m.up_proj, views_only=views_only and not ada),
+                down=m.down_proj.weight,
+                norm1=None if ada else (1.0 + lyr.input_layernorm.weight.float()),
+                norm2=None if ada else (1.0 + lyr.post_attention_layernorm.weight.float()))
+
+        self.vlm = [layer(lyr, ada=False) for lyr in model.vlm.layers]
+        self.expert = [layer(lyr, ada=True) for lyr in model.expert.layers]
+        self.vision_qkv = []
+        for lyr in model.vision.layers:
+            a = lyr.self_attn
+            self.vision_qkv.append((_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only),
+                                    _fuse(a.q_proj, a.k_proj, a.v_proj, bias=True)))
+

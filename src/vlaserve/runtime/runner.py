@@ -1,0 +1,139 @@
+"""The runtime: everything stateful on the device, behind one `run` call.
+
+A runner turns a batch of model inputs into model-space actions. Two implement the same protocol:
+`EagerRunner` (the reference model, any device) and `FastRunner` (fast/graphs.py: fused weights,
+Triton kernels, CUDA graphs). `Runtime` owns the one that serves (the eager runner until a
+background warm-up hands over to the fast one), the prefix cache both share, and the device lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..config import PolicyConfig, RuntimeConfig
+from ..model.pi05 import Pi05Model, PrefixContext, RTCGuidance
+from ..types import ModelInputs
+from .device import synchronize
+from .prefix_cache import PrefixCache, PrefixEntry
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
+               prefix: list[PrefixEntry] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Model-space actions [B, H, A] on the device and {prefix_ms, denoise_ms}; with `prefix`
+        (one cached entry per item) the prefix pass is skipped."""
+
+    def prefix_entry(self, i: int) -> PrefixEntry:
+        """Item i's prefix K/V from the last call, as a cache entry."""
+
+
+class EagerRunner:
+    def __init__(self, model: Pi05Model, device: torch.device):
+        self.model, self.device = model, device
+        self._ctx: PrefixContext | None = None
+
+    @torch.no_grad()
+    def sample(self, inputs, noise, num_steps, rtc=None, prefix=None):
+        t0 = time.perf_counter()
+        if prefix is not None:
+            kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
+                  for layer in range(len(prefix[0].k))]
+            pad = torch.stack([e.pad for e in prefix])
+            ctx = PrefixContext(kv=kv, pad_mask=pad, num_valid=pad.long().sum(1))
+        else:
+            embs, pad_mask = self.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens,
+                                                     inputs.token_mask)
+            ctx = self.model.compute_prefix(embs, pad_mask)
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        actions = self.model.denoise(ctx, noise, num_steps, rtc)
+        synchronize(self.device)
+        self._ctx = ctx
+        return actions, {"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (time.perf_counter() - t1) * 1e3}
+
+    def prefix_entry(self, i: int) -> PrefixEntry:
+        ctx = self._ctx
+        return PrefixEntry(torch.stack([k[i, 0] for k, _ in ctx.kv]), torch.stack([v[i, 0] for _, v in ctx.kv]),
+                           ctx.pad_mask[i].clone())
+
+
+class Runtime:
+    """Serves batches on one device: picks the runner, consults the prefix cache, times the stages."""
+
+    def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
+                 dtype: torch.dtype, revision: str):
+        self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
+        # Device work holds this lock; a background warm-up takes it while it captures a CUDA graph
+        # (a capture fails if another thread touches the legacy default stream meanwhile).
+        self.device_lock = threading.RLock()
+        self.offload = None
+        if runtime.profile.offload:
+            from .offload import LayerOffload
+
+            self.offload = LayerOffload(model, device)
+        self.runner: Runner = EagerRunner(model, device)
+        self.fast_path = False
+        self.state = "ready"  # "warming_up" while a background warm-up runs; "ready" once the runner is final
+        # The profile bounds the cache (one entry is a whole prefix's K/V: ~18 MB at full size).
+        entries = min(runtime.prefix_cache, runtime.profile.prefix_cache_entries)
+        if entries < runtime.prefix_cache:
+            log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
+                     runtime.prefix_cache)
+        self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
+        if runtime.fast_path and device.type == "cuda":
+            self._start_fast_path(model, background=runtime.warmup == "background")
+
+    def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
+        from .fast.graphs import FastRunner
+
+        fast = FastRunner(model, self.config, max_graph_batch=self.settings.profile.max_graph_batch,
+                          device_lock=self.device_lock, layer_stream=self.offload)
+        if not background:
+            fast.warmup((1,), self.config.num_inference_steps)
+            self.runner, self.fast_path = fast, True
+            return
+        self.state = "warming_up"
+        threading.Thread(target=self._warm_up_then_switch, args=(fast,), name="vlaserve-warmup", daemon=True).start()
+
+    def _warm_up_then_switch(self, fast) -> None:
+        started = time.perf_counter()
+        try:
+            fast.warmup((1,), self.config.num_inference_steps)
+        except Exception:
+            log.exception("fast path warm-up failed; serving continues with the eager model")
+            self.state = "ready"
+            return
+        self.runner, self.fast_path, self.state = fast, True, "ready"
+        log.info("fast path ready after %.1f s of background warm-up (kernels compiled, graphs captured)",
+                 time.perf_counter() - started)
+
+    def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
+            rtc: RTCGuidance | None) -> tuple[np.ndarray, dict[str, float]]:
+        """Host batch in, model-space actions [B, H, A] (float32 numpy) and stage timings out."""
+        cache = self.prefix_cache
+        keys = None if cache is None else [cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
+                                                    inputs.token_mask[i]) for i in range(len(inputs.tokens))]
+        with self.device_lock:
+            runner = self.runner
+            if rtc is not None:
+                rtc = RTCGuidance(rtc.prev.to(self.device), rtc.weights.to(self.device), rtc.max_weight.to(self.device))
+            inputs, noise = inputs.to(self.device), noise.to(self.device)
+            entries, hit = cache.fetch(keys) if cache is not None else (None, False)
+            actions, stages = runner.sample(inputs, noise, num_steps, rtc, entries if hit else None)
+            if cache is not None and not hit:
+                for i, (key, entry) in enumerate(zip(keys, entries)):
+                    if entry is None:
+                        cache.put(key, runner.prefix_entry(i))
+            return actions.float().cpu().numpy(), stages
+
+    def stats(self) -> dict:
+        return {"state": self.state, "fast_path": self.fast_path,
+                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}

@@ -1,0 +1,208 @@
+"""The data that crosses layers: one typed `Request` flows from the API (server or Python) to the
+runner unchanged, and an `InferenceResult` comes back.
+
+Checks that depend only on the values (types, finiteness, ranges) happen here, once, where a request
+is built from what a client sent; checks that depend on the checkpoint (cameras, dims, shapes) are the
+policy's. Every check raises an `InvalidInput` naming the field in the Python API's terms ("state",
+"rtc.prev_chunk", "num_steps"); the server renames fields to its wire paths.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidObservation, InvalidRequest
+
+# A request may ask for more Euler steps than the checkpoint's default, but one request must not be
+# able to hold the inference worker for minutes.
+MAX_INFERENCE_STEPS = 100
+RTC_SPACES = ("model", "action")
+RTC_SCHEDULES = ("linear", "exp", "ones", "zeros")
+
+
+def _numeric(value, field: str, error=InvalidRequest) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if not isinstance(value, np.ndarray):
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError):
+            raise error(field, "must be a (nested) list of numbers with a regular shape") from None
+    if value.dtype.kind not in "iuf":
+        raise error(field, f"must hold numbers, got dtype {value.dtype}")
+    return value
+
+
+def float_array(value, field: str, ndim: int | None = None) -> np.ndarray:
+    """A finite float32 array of rank `ndim` (if given)."""
+    if value is None:
+        raise InvalidRequest(field, "missing")
+    array = _numeric(value, field).astype(np.float32, copy=False)
+    if ndim is not None and array.ndim != ndim:
+        raise InvalidRequest(field, f"must have rank {ndim}, got shape {list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise InvalidRequest(field, "must be finite (no NaN or inf)")
+    return array
+
+
+def image_array(value, field: str) -> np.ndarray:
+    """uint8 pixels stay bytes; other integers must be bytes in value; floats become float32."""
+    array = _numeric(value, field)
+    if array.dtype == np.uint8:
+        return array
+    if array.dtype.kind in "iu":
+        if array.size and (array.min() < 0 or array.max() > 255):
+            raise InvalidRequest(field, "integer pixel values must be in 0..255")
+        return array.astype(np.uint8)
+    return array.astype(np.float32, copy=False)
+
+
+def _integer(value, field: str, low: int, high: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequest(field, f"must be an integer in [{low}, {high}]")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the robot saw, with images keyed by the checkpoint's camera names."""
+
+    images: dict[str, np.ndarray]  # camera -> HxWx3 or 3xHxW, uint8 or float32
+    state: np.ndarray  # float32 [state_dim], raw (un-normalized)
+    task: str
+    images_normalized: bool = False  # float images already in [-1, 1]
+
+    @staticmethod
+    def create(images: dict, state, task, images_normalized: bool = False) -> "Observation":
+        if not isinstance(images, dict) or not images:
+            raise InvalidObservation("images", "expected a mapping camera -> image")
+        if not isinstance(task, str):
+            raise InvalidRequest("task", "expected a string")
+        if not isinstance(images_normalized, bool):
+            raise InvalidRequest("images_normalized", "must be true or false")
+        arrays = {cam: None if image is None else image_array(image, f"images.{cam}") for cam, image in images.items()}
+        return Observation({c: a for c, a in arrays.items() if a is not None}, float_array(state, "state", ndim=1),
+                           task, images_normalized)
+
+
+@dataclass(frozen=True)
+class RtcOptions:
+    """Real-time chunking guidance: pull the new chunk's start towards the previous chunk's
+    unexecuted actions. The defaults here are the only ones (the server's schema shows them)."""
+
+    prev_chunk: np.ndarray  # [T, D] float32: model space (D <= max_action_dim) or action space (D = action_dim)
+    space: str = "model"
+    inference_delay: int = 0
+    execution_horizon: int = 10
+    max_guidance_weight: float = 10.0
+    schedule: str = "linear"
+
+    @staticmethod
+    def create(options: dict) -> "RtcOptions":
+        if not isinstance(options, dict):
+            raise InvalidRequest("rtc", "expected a mapping")
+        unknown = sorted(set(options) - set(RtcOptions.__dataclass_fields__))
+        if unknown:
+            raise InvalidRequest(f"rtc.{unknown[0]}", "unknown RTC option")
+        given = {k: v for k, v in options.items() if v is not None}
+        prev = float_array(given.get("prev_chunk"), "rtc.prev_chunk", ndim=2)
+        space = given.get("space", "model")
+        if space not in RTC_SPACES:
+            raise InvalidRequest("rtc.space", f"expected one of {', '.join(RTC_SPACES)}")
+        schedule = given.get("schedule", "linear")
+        schedule = schedule.lower() if isinstance(schedule, str) else schedule
+        if schedule not in RTC_SCHEDULES:
+            raise InvalidRequest("rtc.schedule", f"expected one of {', '.join(RTC_SCHEDULES)}")
+        weight = given.get("max_guidance_weight", 10.0)
+        if not isinstance(weight, (int, float, np.number)) or isinstance(weight, bool) or not (
+                math.isfinite(weight) and weight >= 0):
+            raise InvalidRequest("rtc.max_guidance_weight", "expected a finite non-negative number")
+        return RtcOptions(prev, space, _integer(given.get("inference_delay", 0), "rtc.inference_delay", 0, 2**31),
+                          _integer(given.get("execution_horizon", 10), "rtc.execution_horizon", 1, 2**31),
+                          float(weight), schedule)
+
+
+@dataclass(frozen=True)
+class PreparedObservation:
+    """One observation after host preprocessing (what the model sees, plus how it got there)."""
+
+    images: torch.Tensor  # [N, 3, S, S]: float32 in [-1, 1], or uint8 bytes; slots in the reference's order
+    image_mask: torch.Tensor  # [N] bool
+    slot_cameras: list[str]  # camera of each slot
+    tokens: torch.Tensor  # [L] int64
+    token_mask: torch.Tensor  # [L] bool
+    normalized_state: np.ndarray
+    state_bins: np.ndarray
+    prompt: str
+    truncated: bool
+    noise: torch.Tensor  # [H, max_action_dim] float32: given, seeded or drawn
+    rtc: "PreparedRtc | None"
+
+
+@dataclass(frozen=True)
+class PreparedRtc:
+    prev: torch.Tensor  # [H, max_action_dim] model space, zero-padded
+    weights: torch.Tensor  # [H] per-timestep guidance weights
+    max_weight: float
+
+
+@dataclass
+class Request:
+    """One observation and how to run it; the unit the batcher queues and the runner serves."""
+
+    observation: Observation
+    noise: np.ndarray | None = None  # float32 [action_horizon, max_action_dim]
+    seed: int | None = None  # seeds the noise when none is given
+    num_steps: int | None = None  # None: the checkpoint's num_inference_steps
+    rtc: RtcOptions | None = None
+    prepared: PreparedObservation | None = None  # set once, by Policy.prepare
+    created_at: float = field(default_factory=time.perf_counter)
+
+    @staticmethod
+    def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None) -> "Request":
+        return Request(
+            observation,
+            noise=None if noise is None else float_array(noise, "noise", ndim=2),
+            seed=None if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
+            num_steps=None if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
+            rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc))
+
+
+@dataclass
+class ModelInputs:
+    """A batch, ready for the model: plain tensors with the batch dimension first."""
+
+    images: torch.Tensor  # [B, N, 3, S, S]
+    image_masks: torch.Tensor  # [B, N]
+    tokens: torch.Tensor  # [B, L]
+    token_mask: torch.Tensor  # [B, L]
+
+    def to(self, device) -> "ModelInputs":
+        """Moves to `device`; uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
+        from .processing.images import bytes_to_model_range
+
+        images = self.images.to(device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = bytes_to_model_range(images)
+        return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
+                                     (self.image_masks, self.tokens, self.token_mask)))
+
+
+@dataclass
+class InferenceResult:
+    actions: np.ndarray  # float32 [horizon, action_dim], un-normalized
+    model_actions: np.ndarray  # float32 [horizon, max_action_dim], model space
+    timings: dict[str, Any] = field(default_factory=dict)  # TIMING_STAGES in ms, plus batch_size
+    warnings: list[str] = field(default_factory=list)
+
+
+# Milliseconds per stage of one call, the same names on every route: decode and encode are the
+# server's; queue, preprocess, prefix, denoise and postprocess the runtime's; device = prefix + denoise.
+TIMING_STAGES = ("decode_ms", "queue_ms", "preprocess_ms", "prefix_ms", "denoise_ms", "device_ms",
+                 "postprocess_ms", "encode_ms", "total_ms")
