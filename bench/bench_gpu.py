@@ -28,13 +28,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlaserve.config import ModelConfig  # noqa: E402
-from vlaserve.engine.graphs import CudaGraphEngine  # noqa: E402
+from vlaserve.checkpoint.weights import random_model, to_lerobot_name  # noqa: E402
+from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.model.pi05 import Pi05Model  # noqa: E402
-from vlaserve.policy import ModelInputs  # noqa: E402
-from vlaserve.weights import random_model, to_lerobot_name  # noqa: E402
+from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
+from vlaserve.types import ModelInputs  # noqa: E402
 
 CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS = 3, 200, 70, 50, 10
+sys.path.insert(0, str(ROOT / "tests"))
+from fixtures import fixture_dir  # noqa: E402  (unpacks the repository's golden fixtures)
+
+GOLDEN = str(fixture_dir("pi05_golden"))
 
 
 def flops_per_call(model: Pi05Model, num_cameras: int, token_len: int, horizon: int, steps: int) -> dict:
@@ -160,14 +164,13 @@ def golden_check(golden: Path) -> dict:
     out = {}
     policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False,
                                     fast_path=False)
+    fast_policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False)
     for case_dir in case_dirs(golden):
         case = GoldenCase.load(case_dir)
         exact, deltas = compare_case(policy, case)
         eager_worst = max(deltas.values())
-        policy.enable_fast_path()
-        results = policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
-                                     num_steps=case.meta["num_steps"], rtcs=case.rtcs())
-        policy.engine = None
+        results = fast_policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
+                                          num_steps=case.meta["num_steps"], rtcs=case.rtcs())
         fast = max(float(abs(r.actions - e).max()) for r, e in zip(results, case.tensors["expected.actions"]))
         out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_cuda_max_delta": eager_worst,
                               "fast_cuda_actions_max_delta": fast}
@@ -179,19 +182,20 @@ def policy_wall_time(model, engine) -> dict:
     import numpy as np
 
     from vlaserve import Policy
-    from vlaserve.config import PolicyConfig
+    from vlaserve.config import RuntimeConfig
     from vlaserve.processing.normalize import Normalization, QuantileNormalizer
+    from vlaserve.processing.prepare import Preprocessor
     from vlaserve.processing.prompt import PromptTokenizer
+    from vlaserve.runtime.runner import Runtime
 
-    golden = ROOT / ".golden" / "checkpoint" / "tokenizer" / "tokenizer.json"
-    if not golden.exists():
-        return {"skipped": "no tokenizer carried"}
-    cfg = PolicyConfig(model=model.config, cameras=("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"),
-                       state_dim=14, action_dim=14)
+    golden = Path(GOLDEN) / "checkpoint" / "tokenizer" / "tokenizer.json"
+    cfg = engine.config
     q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
-    policy = Policy(model, cfg, Normalization(q, q, "bench"), PromptTokenizer.from_path(golden),
-                    torch.device("cuda"), torch.bfloat16)
-    policy.engine = engine
+    runtime = Runtime(model, cfg, RuntimeConfig(device="cuda", fast_path=False), torch.device("cuda"),
+                      torch.bfloat16, "bench")
+    runtime.runner, runtime.fast_path = engine, True
+    policy = Policy(cfg, Preprocessor(cfg, Normalization(q, q, "bench"), PromptTokenizer.from_path(golden)),
+                    runtime, "bench", "bench", {})
     rng = np.random.default_rng(0)
     obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cfg.cameras},
            "state": rng.uniform(-1, 1, 14).astype(np.float32), "task": "pick up the red block"}
@@ -286,14 +290,11 @@ def tune_expert_kernels(model) -> dict:
 
 def speed_options(engine, model, vocab: int) -> dict:
     """Opt-in options at batch 1: the exact prefix cache (hit vs miss) and a prompt-length bucket."""
-    from vlaserve.engine.prefix_cache import PrefixCache
-
     inputs, noise = make_inputs(1, vocab, seed=123)
-    cache = PrefixCache(8, "bench")
-    keys = [cache.key(inputs.images[0], inputs.image_masks[0], inputs.tokens[0], inputs.token_mask[0])]
-    miss, miss_t = engine.sample(inputs, noise, STEPS, None, cache, keys)
-    hit, _ = engine.sample(inputs, noise, STEPS, None, cache, keys)
-    hit_t = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None, cache, keys))
+    miss, miss_t = engine.sample(inputs, noise, STEPS, None)
+    cached = [engine.prefix_entry(0)]
+    hit, _ = engine.sample(inputs, noise, STEPS, None, prefix=cached)
+    hit_t = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None, prefix=cached))
     full = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None))
     full_out, _ = engine.sample(inputs, noise, STEPS, None)
     bucket = 96  # 70 valid tokens: the prefix shrinks from 968 to 864 tokens
@@ -339,7 +340,7 @@ def main():
     ap.add_argument("--lerobot", action="store_true", help="also run LeRobot 0.6.1 (needs its wheels)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--golden", default=str(ROOT / ".golden"))
+    ap.add_argument("--golden", default=GOLDEN, help="golden fixture folder (default: unpacked from tests/data)")
     ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -372,10 +373,11 @@ def main():
     results["floor_ms_b1"] = math_floor_ms(flops, STEPS, results["ceilings"]["bf16_gemm_tflops"],
                                            results["ceilings"]["copy_tbps"])
 
+    policy_config = PolicyConfig(cfg, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
     variants = {
-        "fast_triton_graphs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=True, use_triton=True),
-        "fast_torch_graphs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=True, use_triton=False),
-        "fast_torch_nographs": CudaGraphEngine(model, CAMERAS, TOKENS, HORIZON, use_graphs=False, use_triton=False),
+        "fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True),
+        "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
+        "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False),
     }
     # Peak memory of the default fast path at batch 1: weights + static buffers + graph pools.
     torch.cuda.synchronize()
