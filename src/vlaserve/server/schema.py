@@ -19,6 +19,16 @@ from .aliases import resolve_camera
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
 MAX_INFERENCE_STEPS = 100
+# Bounds on what a request may carry, checked before any work (docs/server.md#limits). A longer task
+# would only be truncated at the model's token length, after tokenizing it (which holds the GIL: a
+# 16 MB task stalled every client for 20 s).
+MAX_TASK_CHARS = 4096
+# Flow-matching noise is standard normal: 100 sigma is never drawn, and larger values overflow.
+MAX_NOISE_ABS = 100.0
+# RTC: LeRobot's default guidance weight is 10; previous chunks are actions (robot units or
+# normalized), far below this. Larger values overflow float32 inside the guidance.
+MAX_GUIDANCE_WEIGHT = 1000.0
+MAX_RTC_ABS = 1e6
 
 
 class ApiError(Exception):
@@ -85,9 +95,9 @@ class RtcIn(_Strict):
 
     prev_chunk: Any = Field(description="the previous chunk's unexecuted actions [T, D]")
     space: Literal["model", "action"] = "model"
-    inference_delay: int | None = Field(None, ge=0)
-    execution_horizon: int | None = Field(None, ge=1)
-    max_guidance_weight: float | None = Field(None, ge=0, allow_inf_nan=False)
+    inference_delay: int | None = Field(None, ge=0, description="at most the action horizon")
+    execution_horizon: int | None = Field(None, ge=1, description="at most the action horizon")
+    max_guidance_weight: float | None = Field(None, ge=0, le=MAX_GUIDANCE_WEIGHT, allow_inf_nan=False)
     schedule: Literal["linear", "exp", "ones", "zeros"] | None = None
 
 
@@ -136,7 +146,18 @@ def image_array(value, field: str) -> np.ndarray:
     return array.astype(np.float32, copy=False)
 
 
-def float_array(value, field: str, shape: tuple[int | None, ...] | None = None) -> np.ndarray:
+def task_text(value, field: str) -> str:
+    """The instruction, bounded before it reaches the tokenizer. (Lone surrogates never get here:
+    the decoders refuse them.)"""
+    if not isinstance(value, str):
+        raise invalid(field, "must be a string")
+    if len(value) > MAX_TASK_CHARS:
+        raise invalid(field, f"at most {MAX_TASK_CHARS} characters, got {len(value)}")
+    return value
+
+
+def float_array(value, field: str, shape: tuple[int | None, ...] | None = None,
+                max_abs: float | None = None) -> np.ndarray:
     array = _numeric(value, field).astype(np.float32, copy=False)
     if shape is not None and (array.ndim != len(shape) or any(
             want is not None and got != want for got, want in zip(array.shape, shape))):
@@ -144,11 +165,13 @@ def float_array(value, field: str, shape: tuple[int | None, ...] | None = None) 
         raise invalid(field, f"must have shape {wanted}, got {list(array.shape)}")
     if not np.isfinite(array).all():
         raise invalid(field, "must be finite (no NaN or inf)")
+    if max_abs is not None and array.size and np.abs(array).max() > max_abs:
+        raise invalid(field, f"values must lie in [-{max_abs:g}, {max_abs:g}]")
     return array
 
 
 def noise_array(value, field: str, metadata: dict) -> np.ndarray:
-    return float_array(value, field, (metadata["action_horizon"], metadata["max_action_dim"]))
+    return float_array(value, field, (metadata["action_horizon"], metadata["max_action_dim"]), MAX_NOISE_ABS)
 
 
 def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_response: bool) -> Generation:
@@ -178,7 +201,8 @@ def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_resp
             raise invalid(f"input.observation.{key}", f"a second image for camera {camera!r}")
         images[camera] = image_array(image, f"input.observation.{key}")
     observation = {"images": images, "state": float_array(obs_in.state, "input.observation.state"),
-                   "task": inp.task if inp.task is not None else inp.prompt}
+                   "task": task_text(inp.task, "input.task") if inp.task is not None
+                   else task_text(inp.prompt, "input.prompt")}
     if obs_in.images_normalized:
         observation["images_normalized"] = True
 
@@ -205,7 +229,10 @@ def rtc_dict(rtc: RtcIn, metadata: dict) -> dict:
     # Action-space chunks carry the robot's dims; model-space ones any prefix of the padded dims
     # (LeRobot's left-over has only the robot's dims and is zero-padded).
     width = metadata["action_dim"] if rtc.space == "action" else metadata["max_action_dim"]
-    prev = float_array(rtc.prev_chunk, "rtc.prev_chunk", (None, None))
+    prev = float_array(rtc.prev_chunk, "rtc.prev_chunk", (None, None), MAX_RTC_ABS)
+    for name in ("inference_delay", "execution_horizon"):
+        if (getattr(rtc, name) or 0) > horizon:
+            raise invalid(f"rtc.{name}", f"must be at most the action horizon, {horizon}")
     if not 1 <= prev.shape[0] <= horizon or not 1 <= prev.shape[1] <= width or (
             rtc.space == "action" and prev.shape[1] != width):
         dims = f"D = {width}" if rtc.space == "action" else f"1 <= D <= {width}"

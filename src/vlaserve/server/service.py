@@ -3,21 +3,22 @@ all protocols (authorize, validate, infer, time)."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import logging
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..engine import Batcher, BatcherClosed
-from ..errors import InvalidObservation
+from ..errors import InvalidObservation, NonFiniteActions
+from ..processing.images import MAX_IMAGE_SIDE
 from .aliases import camera_aliases
+from .codec import MAX_NESTING_DEPTH
 from .metrics import Metrics
-from .schema import MAX_INFERENCE_STEPS, ApiError, Generation, invalid_observation, parse_generation
-
-log = logging.getLogger(__name__)
+from .schema import (MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, ApiError,
+                     Generation, invalid_observation, parse_generation)
+from .sessions import Sessions
+from .workers import Workers
 
 MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "postprocess_ms")
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
@@ -30,16 +31,13 @@ class ServerSettings:
     max_batch_size: int = 8
     batch_delay_ms: float = 2.0
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
-
-
-async def binary_frames(websocket):
-    """Each message's binary payload (None for a text frame) and the time it arrived, until the
-    client disconnects."""
-    while True:
-        message = await websocket.receive()
-        if message["type"] == "websocket.disconnect":
-            return
-        yield message.get("bytes"), time.perf_counter()
+    body_timeout_s: float = 60.0
+    allowed_origins: tuple[str, ...] = ()  # browser origins that may call; "*" for any
+    # Decoding and preprocessing, off the event loop: threads, decode processes, and the most jobs
+    # waiting or running before new ones get 503.
+    worker_threads: int = 4
+    decode_processes: int = 1
+    max_pending: int = 64
 
 
 def ms_since(start: float) -> float:
@@ -59,14 +57,20 @@ class Service:
         self.metadata = policy.metadata  # computed once: it walks the model to count parameters
         self.metrics = Metrics(settings.max_batch_size)
         self.batcher: Batcher | None = None
+        self.workers: Workers | None = None
+        self.sessions = Sessions()
 
     def start(self) -> None:
+        self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
+        self.workers.start()
         self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
                                on_batch=self.metrics.batch_size.observe)
 
     def stop(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
+        if self.workers is not None:
+            self.workers.close()
 
     def authorized(self, headers: Mapping[str, str]) -> bool:
         """`Authorization: Bearer KEY`, `X-API-Key: KEY`, or openpi-client's `Authorization: Api-Key KEY`."""
@@ -93,7 +97,11 @@ class Service:
             "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
                          "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
-                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms},
+                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms,
+                       "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
+                       "max_nesting_depth": MAX_NESTING_DEPTH, "max_noise_abs": MAX_NOISE_ABS,
+                       "max_guidance_weight": MAX_GUIDANCE_WEIGHT, "max_rtc_abs": MAX_RTC_ABS,
+                       "body_timeout_s": self.settings.body_timeout_s},
             "protocols": {
                 "http": {"path": ROUTES["http"], "content_types": ["application/json", "application/msgpack"]},
                 "realtime": {"path": ROUTES["realtime"], "encoding": "msgpack"},
@@ -106,7 +114,7 @@ class Service:
         """Validates by preprocessing (off the event loop); the result is what gets batched, so an
         observation is preprocessed once."""
         try:
-            return await asyncio.to_thread(self.policy.check_observation, observation)
+            return await self.workers.in_thread(self.policy.check_observation, observation)
         except InvalidObservation as e:
             raise invalid_observation(e, in_request_body) from None
 
@@ -118,8 +126,9 @@ class Service:
             raise ApiError(503, "shutting_down", str(e)) from None
         except InvalidObservation as e:
             raise invalid_observation(e) from None
-        except Exception:
-            log.exception("inference failed")
+        except NonFiniteActions as e:
+            raise ApiError(422, "non_finite_actions", str(e)) from None
+        except Exception:  # the batcher logged it, with its traceback
             raise ApiError(500, "internal_error", "inference failed; see the server log") from None
 
     async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:
