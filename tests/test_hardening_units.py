@@ -252,3 +252,12 @@ def test_row14_api_key_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("VLASERVE_API_KEY", "")
     with pytest.raises(UsageError, match="VLASERVE_API_KEY is empty"):
         serve_options({})
+
+
+def test_row7_msgpack_bodies_that_are_costly_to_decode_leave_the_event_loop():
+    from vlaserve.server.codec import OverBudget
+
+    cameras = {c: np.zeros((224, 224, 3), np.uint8) for c in METADATA["cameras"]}
+    assert unpackb(packb(_body(input={"task": "x", "observation": {"images": cameras}})), 1024)  # in place
+    with pytest.raises(OverBudget):  # an image as nested lists: 50k lists, decoded in a thread instead
+        unpackb(packb({"image": np.zeros((224, 224, 3), np.uint8).tolist()}), 1024)

@@ -118,11 +118,37 @@ def _list(items: list) -> list:
     return items
 
 
-def unpackb(data: bytes):
+class OverBudget(Exception):
+    """An inline decode met more maps and lists than it may build on the event loop."""
+
+
+def _counted(hooks, budget: int):
+    # A container counts 1, plus 1 per 256 items: numpy converts long number lists later, which
+    # costs per item (a flat list of 1M ints: 50 ms).
+    count = 0
+
+    def wrap(hook):
+        def counted(obj):
+            nonlocal count
+            count += 1 + len(obj) // 256
+            if count > budget:
+                raise OverBudget
+            return hook(obj)
+        return counted
+
+    return [wrap(h) for h in hooks]
+
+
+def unpackb(data: bytes, max_containers: int | None = None):
+    """`max_containers`: raise OverBudget (early) past that many maps and lists (see _counted), so a caller can
+    decode a cheap body in place and hand a costly one to a thread (server.bodies)."""
+    pairs_hook, list_hook = _msgpack_map, _list
+    if max_containers is not None:
+        pairs_hook, list_hook = _counted((pairs_hook, list_hook), max_containers)
     try:
-        obj = msgpack.unpackb(data, raw=False, object_pairs_hook=_msgpack_map, list_hook=_list,
+        obj = msgpack.unpackb(data, raw=False, object_pairs_hook=pairs_hook, list_hook=list_hook,
                               strict_map_key=False)
-    except DecodeError:
+    except (DecodeError, OverBudget):
         raise
     except msgpack.StackError:
         raise DecodeError(f"invalid msgpack: nested deeper than {MAX_NESTING_DEPTH} levels") from None
