@@ -6,6 +6,8 @@ import argparse
 import gc
 import json
 import logging
+import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -22,7 +24,16 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "host": (str, "127.0.0.1", "HOST", "address to bind (0.0.0.0: every interface, for robots on other computers)"),
     "port": (int, 8000, "PORT", "port to bind"),
     "batch_delay_ms": (float, 2.0, "MS", "how long the first request of a batch waits for company"),
-    "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY)"),
+    "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
+                                  "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
+    "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),
+    "allowed_origins": (str, None, "O1,O2",
+                        "browser origins (e.g. http://localhost:3000) that may call the server, or *; "
+                        "without it any request that carries an Origin header is refused"),
+    "max_connections": (int, 512, "N", "most open connections; more get a 503 and are closed"),
+    "header_timeout_s": (float, 10.0, "S", "close a connection whose request headers take longer than this"),
+    "body_timeout_s": (float, 60.0, "S", "answer 408 when a request body takes longer than this to arrive"),
+    "drain_timeout_s": (float, 30.0, "S", "on SIGTERM/SIGINT, how long in-flight requests may take to finish"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
 }
 # `vlaserve serve` restarts should answer at once: its warm-up runs in the background by default.
@@ -129,11 +140,52 @@ def serve_options(cli: dict) -> dict:
         raise UsageError("batch_delay_ms must not be negative")
     if options["max_payload_mb"] <= 0:
         raise UsageError("max_payload_mb must be positive")
+    if options["max_connections"] < 1:
+        raise UsageError("max_connections must be at least 1")
+    for name in ("header_timeout_s", "body_timeout_s", "drain_timeout_s"):
+        if not options[name] > 0:
+            raise UsageError(f"{name} must be positive")
+    options["api_key"] = api_key(options)
     try:
         options["runtime"] = RuntimeConfig(**{f.name: options[f.name] for f in RuntimeConfig.options()})
     except VlaserveError as e:
         raise UsageError(str(e)) from None
     return options
+
+
+API_KEY_ENV = "VLASERVE_API_KEY"
+
+
+def api_key(options: dict) -> str | None:
+    """The key from --api-key, --api-key-file or $VLASERVE_API_KEY (at most one of them); an empty
+    one is an error, never a server without a key."""
+    sources = {name: value for name, value in (("--api-key", options["api_key"]),
+                                               ("--api-key-file", options["api_key_file"]),
+                                               (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))) if value is not None}
+    if len(sources) > 1:
+        raise UsageError(f"give the API key one way, not {' and '.join(sources)}")
+    if not sources:
+        return None
+    (source, value), = sources.items()
+    if source == "--api-key-file":
+        try:
+            value = Path(value).expanduser().read_text()
+        except OSError as e:
+            raise UsageError(f"cannot read the API key file {options['api_key_file']}: {e.strerror}") from None
+        value = value.strip()
+    if not value:
+        raise UsageError(f"{source} is empty: give a key, or leave it out to serve without one")
+    return value
+
+
+def connection_limit(requested: int) -> int:
+    """--max-connections, lowered to fit the process's file-descriptor limit (with room for the
+    checkpoint, logs and sockets of the server itself): past that limit every accept() fails."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fits = max(1, soft - 64) if soft != resource.RLIM_INFINITY else requested
+    if requested > fits:
+        log.warning("max_connections %d lowered to %d: the open-file limit is %d (ulimit -n)", requested, fits, soft)
+    return min(requested, fits)
 
 
 class _SpuriousHandshakeError(logging.Filter):
@@ -148,11 +200,17 @@ class _SpuriousHandshakeError(logging.Filter):
 def serve_command(cli: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.error").addFilter(_SpuriousHandshakeError())
+    from .server.logs import install as limit_repeated_logs
+
+    limit_repeated_logs()
     try:
         options = serve_options(cli)
     except UsageError as e:
         log.error("%s", e)
         return 2
+    if "api_key" in cli:
+        log.warning("--api-key on the command line is visible to every user in the process list; "
+                    "prefer --api-key-file or $%s", API_KEY_ENV)
     read_checkpoint_ahead(options)
 
     import uvicorn
@@ -161,6 +219,7 @@ def serve_command(cli: dict) -> int:
     from .demo import demo_checkpoint
     from .processing.layouts import camera_aliases
     from .server import ServerSettings, create_app
+    from .server.lifecycle import DrainingServer, guarded_http_protocol
 
     runtime = options["runtime"]
     try:
@@ -178,14 +237,17 @@ def serve_command(cli: dict) -> int:
                  runtime.batch_limit, runtime.max_batch_size)
     settings = ServerSettings(api_key=options["api_key"], max_payload_bytes=max_payload_bytes,
                               max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
-                              camera_aliases=aliases)
+                              camera_aliases=aliases, body_timeout_s=options["body_timeout_s"],
+                              allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",")
+                                                    if o.strip()))
     app = create_app(policy, settings)
     log_startup(policy, options)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=options["host"], port=options["port"], log_config=None, access_log=False,
-        ws_max_size=max_payload_bytes, timeout_graceful_shutdown=None,
+    protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]))
+    server = DrainingServer(uvicorn.Config(
+        app, host=options["host"], port=options["port"], log_config=None, access_log=False, http=protocol,
+        ws_max_size=max_payload_bytes, timeout_graceful_shutdown=options["drain_timeout_s"],
         # Robots send camera bytes: deflating ~0.5 MB per message costs more latency than it saves.
-        ws_per_message_deflate=False))
+        ws_per_message_deflate=False), app.state.service.sessions, options["drain_timeout_s"])
     # Everything allocated so far (torch, the model, the app) lives until exit. Freezing it keeps the
     # cyclic GC from rescanning those objects each time a request allocates many (a JSON image is
     # ~150k list items): it made JSON decoding 3x faster.

@@ -36,3 +36,8 @@ class InvalidRequest(InvalidInput):
 
 class InsufficientMemory(VlaserveError):
     """The chosen memory profile will not fit the device; raised at startup, before any weight loads."""
+
+
+class NonFiniteActions(VlaserveError):
+    """The model produced NaN or inf actions for one request (inputs within bounds can still
+    overflow, e.g. extreme RTC chunks): an error for that request, never a reply with NaN in it."""

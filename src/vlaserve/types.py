@@ -22,6 +22,16 @@ from .errors import InvalidObservation, InvalidRequest
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
 MAX_INFERENCE_STEPS = 100
+# Bounds on what a request may carry, checked before any work (docs/server.md#limits). A longer task
+# would only be truncated at the model's token length, after tokenizing it (which holds the GIL: a
+# 16 MB task stalled every client for 20 s).
+MAX_TASK_CHARS = 4096
+# Flow-matching noise is standard normal: 100 sigma is never drawn, and larger values overflow.
+MAX_NOISE_ABS = 100.0
+# RTC: LeRobot's default guidance weight is 10; previous chunks are actions (robot units or
+# normalized), far below this. Larger values overflow float32 inside the guidance.
+MAX_GUIDANCE_WEIGHT = 1000.0
+MAX_RTC_ABS = 1e6
 RTC_SPACES = ("model", "action")
 RTC_SCHEDULES = ("linear", "exp", "ones", "zeros")
 
@@ -39,8 +49,8 @@ def _numeric(value, field: str, error=InvalidRequest) -> np.ndarray:
     return value
 
 
-def float_array(value, field: str, ndim: int | None = None) -> np.ndarray:
-    """A finite float32 array of rank `ndim` (if given)."""
+def float_array(value, field: str, ndim: int | None = None, max_abs: float | None = None) -> np.ndarray:
+    """A finite float32 array of rank `ndim` (if given), its values within ±max_abs (if given)."""
     if value is None:
         raise InvalidRequest(field, "missing")
     array = _numeric(value, field).astype(np.float32, copy=False)
@@ -48,6 +58,8 @@ def float_array(value, field: str, ndim: int | None = None) -> np.ndarray:
         raise InvalidRequest(field, f"must have rank {ndim}, got shape {list(array.shape)}")
     if not np.isfinite(array).all():
         raise InvalidRequest(field, "must be finite (no NaN or inf)")
+    if max_abs is not None and array.size and np.abs(array).max() > max_abs:
+        raise InvalidRequest(field, f"values must lie in [-{max_abs:g}, {max_abs:g}]")
     return array
 
 
@@ -84,6 +96,8 @@ class Observation:
             raise InvalidObservation("images", "expected a mapping camera -> image")
         if not isinstance(task, str):
             raise InvalidRequest("task", "expected a string")
+        if len(task) > MAX_TASK_CHARS:
+            raise InvalidRequest("task", f"at most {MAX_TASK_CHARS} characters, got {len(task)}")
         if not isinstance(images_normalized, bool):
             raise InvalidRequest("images_normalized", "must be true or false")
         arrays = {cam: None if image is None else image_array(image, f"images.{cam}") for cam, image in images.items()}
@@ -111,7 +125,7 @@ class RtcOptions:
         if unknown:
             raise InvalidRequest(f"rtc.{unknown[0]}", "unknown RTC option")
         given = {k: v for k, v in options.items() if v is not None}
-        prev = float_array(given.get("prev_chunk"), "rtc.prev_chunk", ndim=2)
+        prev = float_array(given.get("prev_chunk"), "rtc.prev_chunk", ndim=2, max_abs=MAX_RTC_ABS)
         space = given.get("space", "model")
         if space not in RTC_SPACES:
             raise InvalidRequest("rtc.space", f"expected one of {', '.join(RTC_SPACES)}")
@@ -121,8 +135,8 @@ class RtcOptions:
             raise InvalidRequest("rtc.schedule", f"expected one of {', '.join(RTC_SCHEDULES)}")
         weight = given.get("max_guidance_weight", 10.0)
         if not isinstance(weight, (int, float, np.number)) or isinstance(weight, bool) or not (
-                math.isfinite(weight) and weight >= 0):
-            raise InvalidRequest("rtc.max_guidance_weight", "expected a finite non-negative number")
+                math.isfinite(weight) and 0 <= weight <= MAX_GUIDANCE_WEIGHT):
+            raise InvalidRequest("rtc.max_guidance_weight", f"expected a number in [0, {MAX_GUIDANCE_WEIGHT:g}]")
         return RtcOptions(prev, space, _integer(given.get("inference_delay", 0), "rtc.inference_delay", 0, 2**31),
                           _integer(given.get("execution_horizon", 10), "rtc.execution_horizon", 1, 2**31),
                           float(weight), schedule)
@@ -168,7 +182,7 @@ class Request:
     def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None) -> "Request":
         return Request(
             observation,
-            noise=None if noise is None else float_array(noise, "noise", ndim=2),
+            noise=None if noise is None else float_array(noise, "noise", ndim=2, max_abs=MAX_NOISE_ABS),
             seed=None if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
             num_steps=None if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
             rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc))

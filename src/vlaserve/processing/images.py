@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from ..errors import InvalidObservation
 
+# Larger camera images cost resize time and memory for nothing: they all end up at the model's
+# resolution (224). 4096 px also keeps a uint8 image under the default 64 MiB payload.
+MAX_IMAGE_SIDE = 4096
+
 
 def to_chw_tensor(image, field: str) -> torch.Tensor:
     """Validates layout and dtype; returns a [3, H, W] tensor (uint8 or float32), unscaled."""
@@ -26,6 +30,9 @@ def to_chw_tensor(image, field: str) -> torch.Tensor:
         raise InvalidObservation(field, f"expected 3 colour channels (RGB) first or last, got shape {list(image.shape)}")
     if image.shape[1] < 1 or image.shape[2] < 1:
         raise InvalidObservation(field, f"empty image of shape {list(image.shape)}")
+    if max(image.shape[1:]) > MAX_IMAGE_SIDE:
+        raise InvalidObservation(field, f"image sides must be at most {MAX_IMAGE_SIDE} pixels, "
+                                        f"got {image.shape[1]}x{image.shape[2]}")
     if image.dtype == np.uint8:
         if not image.flags.writeable:  # e.g. decoded from msgpack; torch wants to own writable memory
             image = image.copy()
@@ -70,6 +77,9 @@ def prepare_image(image, resolution: int, field: str, normalized: bool = False,
     keep_bytes: a uint8 image that needs no resize stays uint8 (4x less to copy to the GPU, where
     `bytes_to_model_range` finishes the job bit-identically)."""
     chw = to_chw_tensor(image, field)
+    if min(resized_shape(chw.shape[1], chw.shape[2], resolution)) < 1:
+        raise InvalidObservation(field, f"an image of {chw.shape[1]}x{chw.shape[2]} is too elongated: resized to "
+                                        f"fit {resolution}x{resolution}, a side would be 0 pixels")
     if chw.dtype == torch.uint8 and keep_bytes and chw.shape[1:] == (resolution, resolution):
         return chw
     if chw.dtype == torch.uint8:

@@ -97,6 +97,9 @@ class Preprocessor:
             dims = f"D = {width}" if rtc.space == "action" else f"1 <= D <= {width}"
             raise InvalidRequest("rtc.prev_chunk", f"must have shape [T, D] with 1 <= T <= {h} and {dims} "
                                                    f"for space {rtc.space!r}, got {list(chunk.shape)}")
+        for name in ("inference_delay", "execution_horizon"):
+            if getattr(rtc, name) > h:
+                raise InvalidRequest(f"rtc.{name}", f"at most the action horizon, {h}")
         if rtc.space == "action":
             chunk = self.action_norm.normalize(chunk)
         prev = torch.zeros(h, a)

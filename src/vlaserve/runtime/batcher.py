@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInput
+import numpy as np
+
+from ..errors import InvalidInput, NonFiniteActions
 from ..types import Request
 
 log = logging.getLogger(__name__)
@@ -110,18 +112,34 @@ class Batcher:
         if self.on_batch is not None:
             self.on_batch(len(batch))
         try:
-            results = self.policy.run([p.request for p in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"infer_batch returned {len(results)} results for {len(batch)} observations")
+            results = self._infer(batch)
         except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
+            if len(batch) > 1:
+                # One bad request must not fail the others: re-run each alone, so the good ones get
+                # their answers and only the culprit its error (logged once, by its own run).
+                log.warning("a batch of %d failed (%s); re-running its requests one by one", len(batch),
+                            type(error).__name__)
+                for request in batch:
+                    self._execute([request])
+                return
             if not isinstance(error, InvalidInput):
-                log.exception("infer_batch failed for a batch of %d", len(batch))
-            for request in batch:
-                _resolve(request, error=error)
+                log.exception("inference failed")
+            _resolve(batch[0], error=error)
             return
         for request, result in zip(batch, results):
             result.timings["queue_ms"] = (started - request.enqueued_at) * 1000.0
-            _resolve(request, result=result)
+            if np.isfinite(result.actions).all():
+                _resolve(request, result=result)
+            else:
+                _resolve(request, error=NonFiniteActions(
+                    "the model's actions for this request are not finite (NaN or inf); "
+                    "its noise, RTC or state values are too extreme"))
+
+    def _infer(self, batch: list[_Pending]) -> list:
+        results = self.policy.run([p.request for p in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"infer_batch returned {len(results)} results for {len(batch)} observations")
+        return results
 
 
 def _resolve(request: _Pending, result=None, error: Exception | None = None) -> None:

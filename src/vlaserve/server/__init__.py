@@ -1,6 +1,16 @@
 """HTTP and websocket serving for a Policy (FastAPI + uvicorn)."""
 
-from .app import create_app
-from .service import ServerSettings
-
 __all__ = ["create_app", "ServerSettings"]
+
+
+def __getattr__(name: str):
+    # Lazy, so a decode worker process (server.workers) imports server.codec without FastAPI.
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    if name == "ServerSettings":
+        from .service import ServerSettings
+
+        return ServerSettings
+    raise AttributeError(f"module 'vlaserve.server' has no attribute {name!r}")

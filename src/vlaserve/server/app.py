@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
-from .codec import DecodeError, dumps_json, is_msgpack, loads_json, packb, unpackb
+from .bodies import body_format, decode, read_body
+from .codec import accepts_msgpack, dumps_json, packb
+from .guard import Guard
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
-from .service import ROUTES, ServerSettings, Service, binary_frames
+from .service import ROUTES, ServerSettings, Service
+
+log = logging.getLogger(__name__)
 
 MSGPACK = "application/msgpack"
+# Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
+_HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
@@ -32,16 +42,14 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="vlaserve", version="0.1.0", lifespan=lifespan,
                   description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
+    app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = route.path if route is not None else "unmatched"
-        service.metrics.requests.labels(path, str(response.status_code)).inc()
-        service.metrics.latency.labels(path).observe(time.perf_counter() - started)
-        return response
+    # Added last, so outermost: origins are checked before CORS headers are added or routes run.
+    origins = list(service.settings.allowed_origins)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "X-API-Key", "Content-Type", "Accept"])
+    app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -49,6 +57,19 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         service.metrics.errors.labels(route.path if route else "unmatched", error.type).inc()
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        kind = _HTTP_ERROR_TYPES.get(error.status_code, "http_error")
+        return JSONResponse(ApiError(error.status_code, kind, str(error.detail)).body(),
+                            status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ())) or None
+        return JSONResponse(ApiError(422, "invalid_request", first.get("msg", "invalid"), field).body(),
+                            status_code=422)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -67,9 +88,10 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     async def generations(request: Request) -> Response:
         started = time.perf_counter()
         service.require_auth(request.headers)
-        payload = await _read_body(request, service.settings.max_payload_bytes)
-        body = _decode(payload, request.headers.get("content-type"))
-        msgpack_response = is_msgpack(request.headers.get("accept"))
+        fmt = body_format(request.headers.get("content-type"))
+        payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
+        body = await decode(payload, fmt, service.workers)
+        msgpack_response = accepts_msgpack(request.headers.get("accept"))
         generation, result, timings = await service.generate(body, started, msgpack_response)
         reply = service.reply(generation, result, timings, started)
         if msgpack_response:
@@ -82,16 +104,22 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
             return
         await websocket.send_bytes(packb(service.public_metadata()))
         try:
-            async for frame, started in binary_frames(websocket):
+            async for frame, started in service.sessions.frames(websocket):
                 try:
                     if frame is None:
                         raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
-                    body = _decode(frame, MSGPACK)
+                    body = await decode(frame, "msgpack", service.workers)
                     generation, result, timings = await service.generate(body, started, msgpack_response=True)
                     reply, status = service.reply(generation, result, timings, started), 200
                 except ApiError as error:
-                    service.metrics.errors.labels(ROUTES["realtime"], error.type).inc()
                     reply, status = error.body(), error.status
+                except Exception:  # noqa: BLE001 - a route bug: this request fails, the session goes on
+                    log.exception("realtime request failed")
+                    error = ApiError(500, "internal_error", "the server failed to handle this request; "
+                                                            "see the server log")
+                    reply, status = error.body(), error.status
+                if status != 200:
+                    service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
                 await websocket.send_bytes(packb(reply))
                 service.metrics.requests.labels(ROUTES["realtime"], str(status)).inc()
                 service.metrics.latency.labels(ROUTES["realtime"]).observe(time.perf_counter() - started)
@@ -132,33 +160,6 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         return False
 
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(413, "payload_too_large", f"the request body exceeds {limit} bytes (--max-payload-mb)")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _decode(payload: bytes, content_type: str | None):
-    try:
-        if is_msgpack(content_type):
-            return unpackb(payload)
-        if content_type is None or "json" in content_type.lower():
-            return loads_json(payload)
-    except DecodeError as e:
-        kind = "invalid_msgpack" if is_msgpack(content_type) else "invalid_json"
-        raise ApiError(400, kind, str(e)) from None
-    raise ApiError(415, "unsupported_media_type",
-                   f"send application/json or application/msgpack, not {content_type!r}")
 
 
 _SCHEMA_REF = "#/components/schemas/{model}"

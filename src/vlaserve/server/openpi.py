@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 
 from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
 from ..processing.layouts import canonical_observation
 from ..types import Observation, Request
-from .codec import DecodeError, packb, unpackb
+from .bodies import decode
+from .codec import packb
 from .schema import ApiError, api_error, invalid
-from .service import Service, binary_frames, ms_since, policy_timing
+from .service import Service, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +50,23 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     await websocket.send_bytes(packb(service.metadata))
     prev_total_ms = None
     try:
-        async for frame, started in binary_frames(websocket):
+        async for frame, started in service.sessions.frames(websocket):
             try:
                 if frame is None:
                     raise ApiError(400, "invalid_frame", "send observations as msgpack binary frames")
-                try:
-                    raw = unpackb(frame)
-                except DecodeError as e:
-                    raise ApiError(400, "invalid_msgpack", str(e)) from None
+                raw = await decode(frame, "msgpack", service.workers)
                 request = request_from_openpi(raw, service)
                 decode_ms = ms_since(started)
                 submitted = time.perf_counter()
                 result = await service.infer(request, in_request_body=False)
                 infer_ms = ms_since(submitted)
             except ApiError as error:
-                await _fail(websocket, service, route, error.type, error.status,
-                            f"{error.type}: {error.field + ': ' if error.field else ''}{error.message}")
+                await _fail(websocket, service, route, error)
                 return
-            except Exception:
+            except Exception:  # noqa: BLE001 - the traceback goes to the log, never to the client
                 log.exception("openpi request failed")
-                await _fail(websocket, service, route, "internal_error", 500, traceback.format_exc())
+                await _fail(websocket, service, route, ApiError(
+                    500, "internal_error", "the server failed to handle this request; see the server log"))
                 return
 
             encode_start = time.perf_counter()
@@ -89,11 +86,12 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
         return
 
 
-async def _fail(websocket: WebSocket, service: Service, route: str, kind: str, status: int, text: str) -> None:
-    service.metrics.errors.labels(route, kind).inc()
-    service.metrics.requests.labels(route, str(status)).inc()
+async def _fail(websocket: WebSocket, service: Service, route: str, error: ApiError) -> None:
+    """One line, `type: field: message`, the same type and message an HTTP client would get."""
+    service.metrics.errors.labels(route, error.type).inc()
+    service.metrics.requests.labels(route, str(error.status)).inc()
     try:
-        await websocket.send_text(text)
+        await websocket.send_text(f"{error.type}: {error.field + ': ' if error.field else ''}{error.message}")
         await websocket.close(code=INTERNAL_ERROR, reason="Request failed; the reason is in the previous frame.")
     except (WebSocketDisconnect, RuntimeError):
         pass  # the client is already gone

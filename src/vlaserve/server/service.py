@@ -3,22 +3,22 @@ all protocols (authorize, validate, infer, time)."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import logging
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, NonFiniteActions
+from ..processing.images import MAX_IMAGE_SIDE
 from ..processing.layouts import camera_aliases
 from ..runtime.batcher import Batcher, BatcherClosed
-from ..types import MAX_INFERENCE_STEPS, Request
+from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
+from .codec import MAX_NESTING_DEPTH
 from .metrics import Metrics
 from .schema import ApiError, Generation, api_error, parse_generation
-
-log = logging.getLogger(__name__)
+from .sessions import Sessions
+from .workers import Workers
 
 MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
@@ -31,16 +31,13 @@ class ServerSettings:
     max_batch_size: int = 8
     batch_delay_ms: float = 2.0
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
-
-
-async def binary_frames(websocket):
-    """Each message's binary payload (None for a text frame) and the time it arrived, until the
-    client disconnects."""
-    while True:
-        message = await websocket.receive()
-        if message["type"] == "websocket.disconnect":
-            return
-        yield message.get("bytes"), time.perf_counter()
+    body_timeout_s: float = 60.0
+    allowed_origins: tuple[str, ...] = ()  # browser origins that may call; "*" for any
+    # Decoding and preprocessing, off the event loop: threads, decode processes, and the most jobs
+    # waiting or running before new ones get 503.
+    worker_threads: int = 4
+    decode_processes: int = 1
+    max_pending: int = 64
 
 
 def ms_since(start: float) -> float:
@@ -58,14 +55,20 @@ class Service:
         self.settings = settings
         self.metrics = Metrics(settings.max_batch_size)
         self.batcher: Batcher | None = None
+        self.workers: Workers | None = None
+        self.sessions = Sessions()
 
     def start(self) -> None:
+        self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
+        self.workers.start()
         self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
                                on_batch=self.metrics.batch_size.observe)
 
     def stop(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
+        if self.workers is not None:
+            self.workers.close()
 
     def authorized(self, headers: Mapping[str, str]) -> bool:
         """`Authorization: Bearer KEY`, `X-API-Key: KEY`, or openpi-client's `Authorization: Api-Key KEY`."""
@@ -95,7 +98,11 @@ class Service:
             "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
                          "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
-                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms},
+                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms,
+                       "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
+                       "max_nesting_depth": MAX_NESTING_DEPTH, "max_noise_abs": MAX_NOISE_ABS,
+                       "max_guidance_weight": MAX_GUIDANCE_WEIGHT, "max_rtc_abs": MAX_RTC_ABS,
+                       "body_timeout_s": self.settings.body_timeout_s},
             "protocols": {
                 "http": {"path": ROUTES["http"], "content_types": ["application/json", "application/msgpack"]},
                 "realtime": {"path": ROUTES["realtime"], "encoding": "msgpack"},
@@ -108,7 +115,7 @@ class Service:
         """Checks the request against the checkpoint and preprocesses it, off the event loop; the
         prepared request is what gets batched, so an observation is preprocessed once."""
         try:
-            await asyncio.to_thread(self.policy.prepare, request)
+            await self.workers.in_thread(self.policy.prepare, request)
         except InvalidInput as e:
             raise api_error(e, in_request_body) from None
         return request
@@ -124,8 +131,9 @@ class Service:
             raise ApiError(503, "shutting_down", str(e)) from None
         except InvalidInput as e:
             raise api_error(e, in_request_body) from None
-        except Exception:
-            log.exception("inference failed")
+        except NonFiniteActions as e:
+            raise ApiError(422, "non_finite_actions", str(e)) from None
+        except Exception:  # the batcher logged it, with its traceback
             raise ApiError(500, "internal_error", "inference failed; see the server log") from None
 
     async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:

@@ -1,0 +1,107 @@
+"""The outermost ASGI layer: refuses browser origins that are not allowed, turns anything a route
+did not handle into the documented error shape (logged once, never sent to the client), and counts
+HTTP requests for /metrics.
+
+Why an Origin check: a web page can POST to a server on localhost or the robot's network with
+`text/plain` or a form without a CORS preflight, and open websockets to it. Browsers always send
+`Origin` on those requests; robots, curl and openpi-client don't. So by default any request that
+carries an Origin is refused, and `--allowed-origins` lists the pages that may call the server
+(they also get CORS headers, from Starlette's CORSMiddleware inside this layer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from starlette.requests import ClientDisconnect
+
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def error_body(status: int, type: str, message: str, field: str | None = None) -> bytes:
+    return json.dumps({"error": {"type": type, "field": field, "message": message}}).encode()
+
+
+async def send_json_error(send, status: int, type: str, message: str) -> None:
+    body = error_body(status, type, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    def __init__(self, app, metrics: Metrics, allowed_origins: tuple[str, ...]):
+        self.app = app
+        self.metrics = metrics
+        self.allow_any_origin = "*" in allowed_origins
+        self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
+
+    def origin_allowed(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"origin":
+                return self.allow_any_origin or value.decode("latin-1").rstrip("/").lower() in self.allowed_origins
+        return True  # not a browser
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _http(self, scope, receive, send):
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+
+        async def send_tracked(message):
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                status, response_started = message["status"], True
+            await send(message)
+
+        try:
+            if not self.origin_allowed(scope):
+                await send_json_error(send_tracked, 403, "forbidden_origin",
+                                         "requests from web pages are refused unless their origin is in "
+                                         "--allowed-origins")
+            else:
+                await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:
+            status = 499  # the client left half-way through its body: nobody to answer, nothing to log
+        except Exception:  # noqa: BLE001 - a route bug must still give the documented error shape
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not response_started:
+                await send_json_error(send_tracked, 500, "internal_error",
+                                         "the server failed to handle this request; see the server log")
+        route = scope.get("route")
+        path = route.path if route is not None else "unmatched"
+        self.metrics.requests.labels(path, str(status)).inc()
+        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+
+    async def _websocket(self, scope, receive, send):
+        if not self.origin_allowed(scope):
+            self.metrics.errors.labels(scope["path"], "forbidden_origin").inc()
+            await receive()  # websocket.connect
+            if "websocket.http.response" in scope.get("extensions", {}):
+                body = error_body(403, "forbidden_origin", "websockets from web pages are refused unless "
+                                                           "their origin is in --allowed-origins")
+                await send({"type": "websocket.http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "websocket.http.response.body", "body": body})
+            else:
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # noqa: BLE001
+            log.exception("unhandled error on websocket %s", scope.get("path"))
+            try:
+                await send({"type": "websocket.close", "code": 1011})
+            except Exception:  # noqa: BLE001 - already closed
+                pass
