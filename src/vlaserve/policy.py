@@ -22,7 +22,9 @@ from .files import check_weight_loader, checkpoint_files, resolve_checkpoint
 from .memory import PROFILES, MemoryProfile, check_before_loading, get_profile
 from .model.pi05 import Pi05Model, PrefixContext, RTCGuidance, rtc_prefix_weights
 from .processing.images import bytes_to_model_range, empty_image, prepare_image
-from .processing.normalize import Normalization, load_normalization
+from .processing.layouts import KeyLayout  # [ckpt hook]
+from .processing.normalize import Normalization
+from .processing.pipeline import ProcessorPipeline  # [ckpt hook]
 from .processing.prompt import PromptTokenizer, build_prompt, discretize_state, find_tokenizer
 from .weights import build_model, load_weights, parameter_counts
 
@@ -64,6 +66,7 @@ class PreparedObservation:
     state_bins: np.ndarray
     prompt: str
     truncated: bool
+    raw_state: np.ndarray | None = None  # [ckpt hook] what relative actions are offset by
 
 
 @dataclass
@@ -116,8 +119,11 @@ def _sync(device: torch.device) -> None:
 class Policy:
     def __init__(self, model: Pi05Model, config: PolicyConfig, normalization: Normalization,
                  tokenizer: PromptTokenizer, device: torch.device, dtype: torch.dtype, name: str = "pi05",
-                 checkpoint: str = "", is_demo: bool = False):
+                 checkpoint: str = "", is_demo: bool = False, pipeline: ProcessorPipeline | None = None):
         self.model, self.config, self.normalization = model.eval(), config, normalization
+        # [ckpt hook] the checkpoint's processor steps and the observation key table
+        self.pipeline = pipeline or ProcessorPipeline(normalization)
+        self.layout = KeyLayout(config.cameras, rename_map=self.pipeline.rename_map)
         self.tokenizer, self.device, self.dtype = tokenizer, device, dtype
         self.state_norm = normalization.state.cut(config.state_dim)
         self.action_norm = normalization.action.cut(config.action_dim)
@@ -161,7 +167,8 @@ class Policy:
         loader = check_weight_loader(weights_loader)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
-        normalization = load_normalization(directory)
+        pipeline = ProcessorPipeline.load(directory, config)  # [ckpt hook]
+        normalization = pipeline.normalization
         prompt_tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, tokenizer))
         profile = get_profile(memory_profile)
         timings.mark("config_s")
@@ -177,7 +184,7 @@ class Policy:
         # A hub snapshot's directory is named after a commit: the hub id names the model better.
         name = str(path_or_id) if not Path(path_or_id).expanduser().is_dir() else directory.name
         policy = cls(model, config, normalization, prompt_tokenizer, torch_device, DTYPES[dtype],
-                     name=name, checkpoint=str(directory), is_demo=config.is_demo)
+                     name=name, checkpoint=str(directory), is_demo=config.is_demo, pipeline=pipeline)
         policy.use_memory_profile(profile, fast_path, background_warmup=warmup == "background")
         timings.mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -273,6 +280,8 @@ class Policy:
             "fast_path": self.engine is not None, "memory_profile": self.memory_profile.name,
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
             "prompt_buckets": None if self.prompt_buckets is None else list(self.prompt_buckets),
+            "rename_map": self.pipeline.rename_map,  # [ckpt hook] the server's key table applies it
+            "relative_actions": self.pipeline.relative_actions is not None,  # [ckpt hook]
         }
 
     # ---- preprocessing ------------------------------------------------------------------
@@ -284,6 +293,7 @@ class Policy:
     def prepare(self, obs: dict) -> PreparedObservation:
         if not isinstance(obs, dict):
             raise InvalidObservation("observation", "expected a mapping with images, state and task")
+        obs = self.layout.canonical(obs)  # [ckpt hook] LeRobot / OpenPI / ALOHA / DROID keys
         c = self.config
         images = obs.get("images")
         if not isinstance(images, dict) or not images:
@@ -323,7 +333,8 @@ class Policy:
         return PreparedObservation(
             images=torch.stack(slots), image_mask=image_mask, slot_cameras=slot_cameras,
             tokens=torch.from_numpy(tokenized.ids), token_mask=torch.from_numpy(tokenized.mask),
-            normalized_state=normalized_state, state_bins=bins, prompt=prompt, truncated=tokenized.truncated)
+            normalized_state=normalized_state, state_bins=bins, prompt=prompt, truncated=tokenized.truncated,
+            raw_state=state)  # [ckpt hook]
 
     def collate(self, prepared: list[PreparedObservation]) -> ModelInputs:
         images = [p.images for p in prepared]
@@ -366,6 +377,9 @@ class Policy:
             chunk = _as_float_array(rtc.get("prev_chunk"), "rtc.prev_chunk")
             if chunk.ndim != 2 or not 1 <= chunk.shape[0] <= h:
                 raise InvalidObservation("rtc.prev_chunk", f"expected shape [T <= {h}, D], got {list(chunk.shape)}")
+            if opts["space"] == "action" and self.pipeline.relative_actions is not None:  # [ckpt hook]
+                raise InvalidObservation("rtc.space", "action-space chunks of a relative-actions checkpoint "
+                                                      "need re-anchoring to the state; send model space")
             if opts["space"] == "action":
                 if chunk.shape[1] != self.config.action_dim:
                     raise InvalidObservation("rtc.prev_chunk", f"action-space chunks have {self.config.action_dim} dims")
@@ -428,6 +442,7 @@ class Policy:
             post_start = time.perf_counter()
             model_np = model_actions.float().cpu().numpy()
         actions = self.action_norm.unnormalize(model_np[..., : self.config.action_dim])
+        actions = self.pipeline.to_absolute(actions, np.stack([p.raw_state for p in prepared_obs]))  # [ckpt hook]
         finished = time.perf_counter()
         timings = {"preprocess_ms": (prepared - started) * 1e3, **stage_ms,
                    "postprocess_ms": (finished - post_start) * 1e3, "batch_size": n}

@@ -33,7 +33,8 @@ def observation_from_openpi(raw, service: Service) -> tuple[dict, object]:
         raise invalid(None, "an observation must be a map of observation keys to values")
     metadata = service.metadata
     try:
-        canonical = canonical_observation(raw, tuple(metadata["cameras"]), service.settings.camera_aliases)
+        canonical = canonical_observation(raw, tuple(metadata["cameras"]), service.settings.camera_aliases,
+                                          metadata.get("rename_map"))
     except InvalidObservation as e:
         raise invalid_observation(e) from None
     if "state" not in canonical:

@@ -174,6 +174,8 @@ def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_resp
             camera = resolve_camera(key, name, cameras, aliases)
         except InvalidObservation as e:
             raise invalid_observation(e, in_request_body=True) from None
+        if camera is None:  # ignored by the layout table or the config (e.g. ALOHA's cam_low)
+            continue
         if camera in images:
             raise invalid(f"input.observation.{key}", f"a second image for camera {camera!r}")
         images[camera] = image_array(image, f"input.observation.{key}")
