@@ -154,7 +154,8 @@ class KeyLayout:
             elif key in self.aliases or "image" in key.lower():
                 add_image(key, key.removeprefix("observation/"), value)
             else:
-                known = [*STATE_KEYS, *STATE_PARTS, *TASK_KEYS, *PASSED_THROUGH]
+                known = [*STATE_KEYS, *STATE_PARTS, *TASK_KEYS, *PASSED_THROUGH,
+                         *self._camera_keys("observation/"), *self._camera_keys(LEROBOT_IMAGE_PREFIX)]
                 raise InvalidObservation(key, "unknown observation key (state is 'state', the task 'prompt' or "
                                               "'task')" + _did_you_mean(key, known))
         if parts:
