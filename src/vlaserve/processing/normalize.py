@@ -48,12 +48,17 @@ class Normalizer:
         if missing:
             raise CheckpointError(f"{self.mode} normalization needs the statistics {missing}")
 
-    def _range(self, d: int) -> tuple[np.ndarray, np.ndarray]:
-        low, high = (self.stats[s][:d] for s in RANGE_STATS[self.mode])
+    @property
+    def denom(self) -> np.ndarray:
+        """The span a range mode divides by, with its eps rule."""
+        low, high = (self.stats[s] for s in RANGE_STATS[self.mode])
         span = (high - low).astype(np.float32)
         if self.always_add_eps:
-            return low, (span + np.float32(self.eps)).astype(np.float32)
-        return low, np.where(span == 0, np.float32(self.eps), span).astype(np.float32)
+            return (span + np.float32(self.eps)).astype(np.float32)
+        return np.where(span == 0, np.float32(self.eps), span).astype(np.float32)
+
+    def _range(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.stats[RANGE_STATS[self.mode][0]][:d], self.denom[:d]
 
     def normalize(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
