@@ -184,6 +184,7 @@ def policy_wall_time(model, engine) -> dict:
     from vlaserve import Policy
     from vlaserve.config import RuntimeConfig
     from vlaserve.processing.normalize import Normalization, QuantileNormalizer
+    from vlaserve.processing.pipeline import ProcessorPipeline
     from vlaserve.processing.prepare import Preprocessor
     from vlaserve.processing.prompt import PromptTokenizer
     from vlaserve.runtime.runner import Runtime
@@ -194,7 +195,8 @@ def policy_wall_time(model, engine) -> dict:
     runtime = Runtime(model, cfg, RuntimeConfig(device="cuda", fast_path=False), torch.device("cuda"),
                       torch.bfloat16, "bench")
     runtime.runner, runtime.fast_path = engine, True
-    policy = Policy(cfg, Preprocessor(cfg, Normalization(q, q, "bench"), PromptTokenizer.from_path(golden)),
+    policy = Policy(cfg, Preprocessor(cfg, ProcessorPipeline(Normalization(q, q, "bench")),
+                                      PromptTokenizer.from_path(golden)),
                     runtime, "bench", "bench", {})
     rng = np.random.default_rng(0)
     obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cfg.cameras},

@@ -217,7 +217,7 @@ def serve_command(cli: dict) -> int:
 
     from . import Policy
     from .demo import demo_checkpoint
-    from .processing.layouts import camera_aliases
+    from .processing.layouts import camera_aliases, check_camera_aliases
     from .server import ServerSettings, create_app
     from .server.lifecycle import DrainingServer, guarded_http_protocol
 
@@ -226,6 +226,7 @@ def serve_command(cli: dict) -> int:
         aliases = camera_aliases(options["camera_aliases"])
         checkpoint = options["checkpoint"] or demo_checkpoint()
         policy = Policy.from_pretrained(checkpoint, runtime)
+        check_camera_aliases(aliases, policy.config.cameras)
     except (VlaserveError, ValueError, OSError) as e:
         log.error("%s", e)
         return 2

@@ -131,7 +131,9 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     features = cfg.get("input_features") or {}
     cameras = [k.split("observation.images.", 1)[1] for k, f in features.items()
                if f.get("type") == "VISUAL" and k.startswith("observation.images.")]
-    cameras += [f"empty_camera_{i}" for i in range(int(cfg.get("empty_cameras", 0)))]
+    # LeRobot also writes the empty cameras into input_features when it saves: count each once.
+    cameras += [name for name in (f"empty_camera_{i}" for i in range(int(cfg.get("empty_cameras", 0))))
+                if name not in cameras]
     if not cameras:
         raise CheckpointError(f"{checkpoint_dir}/config.json declares no VISUAL input features")
     state = features.get("observation.state")

@@ -14,7 +14,8 @@ from .checkpoint.files import checkpoint_files, resolve_checkpoint
 from .checkpoint.weights import build_model, load_weights, parameter_counts
 from .config import PolicyConfig, RuntimeConfig, load_policy_config
 from .errors import InvalidRequest
-from .processing.normalize import load_normalization
+from .processing.layouts import KeyLayout
+from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
@@ -31,6 +32,7 @@ class Policy:
         self.config, self.preprocessor, self.runtime = config, preprocessor, runtime
         self.name, self.checkpoint = name, checkpoint
         self.parameter_counts = parameter_counts
+        self.layout = KeyLayout(config.cameras, rename_map=preprocessor.pipeline.rename_map)
         self.load_timings = load_timings or {}  # seconds per loading stage, weight bytes, GB/s
 
     @classmethod
@@ -54,8 +56,9 @@ class Policy:
         dtype = resolve_dtype(settings.dtype, device)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
-        tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer))
-        preprocessor = Preprocessor(config, load_normalization(directory), tokenizer, settings.prompt_buckets)
+        pipeline = ProcessorPipeline.load(directory, config)
+        tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))
+        preprocessor = Preprocessor(config, pipeline, tokenizer, settings.prompt_buckets)
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
@@ -95,21 +98,21 @@ class Policy:
             "device": str(r.device), "parameter_counts": self.parameter_counts,
             "normalization": self.preprocessor.normalization.source, "tokenizer": self.preprocessor.tokenizer.source,
             "memory_profile": r.settings.memory_profile, "max_batch_size": r.settings.batch_limit,
-            "prompt_buckets": list(self.preprocessor.prompt_buckets) or None, **r.stats(),
+            "prompt_buckets": list(self.preprocessor.prompt_buckets) or None,
+            "rename_map": self.preprocessor.pipeline.rename_map,
+            "relative_actions": self.preprocessor.pipeline.relative_actions is not None, **r.stats(),
         }
 
     # ---- the Python API ----------------------------------------------------------------------
     def request(self, obs: dict, noise=None, seed=None, num_steps=None, rtc=None) -> Request:
-        """A Request from a Python observation {"images": {camera: image}, "state", "task"} (plus
-        optional "images_normalized"), its values checked."""
+        """A Request from an observation in any layout the server takes ({"images": {camera: image},
+        "state", "task"}, LeRobot's or OpenPI's keys; processing/layouts.py), its values checked."""
         if not isinstance(obs, dict):
             raise InvalidRequest("observation", "expected a mapping with images, state and task")
-        unknown = sorted(set(obs) - {"images", "state", "task", "images_normalized"})
-        if unknown:
-            raise InvalidRequest(unknown[0], "unknown observation key (images, state, task, images_normalized)")
-        observation = Observation.create(obs.get("images"), obs.get("state"), obs.get("task"),
-                                         obs.get("images_normalized", False))
-        return Request.create(observation, noise, seed, num_steps, rtc)
+        canonical = self.layout.canonical(obs)
+        observation = Observation.create(canonical["images"], canonical.get("state"), canonical.get("task"),
+                                         canonical.get("images_normalized", False))
+        return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc)
 
     def prepare(self, request: Request | dict) -> PreparedObservation:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
@@ -142,7 +145,7 @@ class Policy:
         prepared = time.perf_counter()
         model_np, stages = self.runtime.run(inputs, noise, steps.pop(), rtc)
         post_start = time.perf_counter()
-        actions = self.preprocessor.postprocess(model_np)
+        actions = self.preprocessor.postprocess(model_np, requests)
         timings = {"preprocess_ms": (prepared - started) * 1e3, **stages,
                    "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
                    "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(requests)}

@@ -50,11 +50,15 @@ _LAYOUT_ALIASES = [
     ("action_time_mlp_out.", "time_mlp_out."),
 ]
 
-# The fp32 set: vision patch/position embeddings, every norm (incl. the AdaRMS dense layers),
-# and the small action/time projections. Everything else is stored in the serving dtype.
+# The fp32 set of OpenPI (`gemma_pytorch.py` `to_bfloat16_for_selected_params`) and SGLang's pi05
+# runtime: the vision patch/position embeddings, the Gemma norms (`input_layernorm`,
+# `post_attention_layernorm`, `model.norm`; in the expert these are the AdaRMS dense layers), and the
+# small action/time projections (their published count, 119,720,608 fp32 parameters at full size,
+# includes them). The SigLIP LayerNorms are bf16 there, and so here. (LeRobot keeps the
+# whole vision tower and the projector in fp32 instead.) Everything else is in the serving dtype.
 FP32_PATTERN = re.compile(
-    r"^vision\.(patch_embedding|position_embedding)\.|layer_?norm|\.norm\.|^(action_in_proj|action_out_proj|"
-    r"time_mlp_in|time_mlp_out)\."
+    r"^vision\.(patch_embedding|position_embedding)\.|^(vlm|expert)\.(layers\.\d+\.(input_layernorm|"
+    r"post_attention_layernorm)|norm)\.|^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\."
 )
 
 

@@ -42,7 +42,7 @@ class SiglipMLP(nn.Module):
 
 
 def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """LayerNorm computed in the norm's (fp32) precision, returned in the activation dtype."""
+    """LayerNorm computed in the norm's precision (the serving dtype, as OpenPI), returned in the activation dtype."""
     return F.layer_norm(x.to(norm.weight.dtype), norm.normalized_shape, norm.weight, norm.bias, norm.eps).to(x.dtype)
 
 

@@ -1,118 +1,134 @@
-"""Quantile normalization of state and actions, with statistics from the checkpoint.
+"""Normalization of state and actions, with statistics from the checkpoint.
 
-Two sources, each with its own epsilon rule (they differ by ~1e-6, enough to flip a state bin):
-- LeRobot processor files: eps replaces the denominator only where q99 == q01.
-- OpenPI `norm_stats.json`: 1e-6 is always added to the denominator.
+LeRobot checkpoints carry a mode per feature type (the normalizer step's `norm_map`); each mode is
+computed here in float32 with the reference's operation order and eps rule (LeRobot 0.6.1
+`normalize_processor.py`), since a different order or eps moves values by ~1e-6, enough to flip
+a state bin:
+- QUANTILES / QUANTILE10 / MIN_MAX: `2(x - lo)/d - 1`, eps replaces d only where hi == lo.
+  Inverse: QUANTILES and QUANTILE10 `(y + 1)·d/2 + lo`, MIN_MAX `(y + 1)/2·d + lo`.
+- MEAN_STD: `(x - mean)/(std + eps)`, inverse `y·std + mean` (no eps).
+- IDENTITY: unchanged.
+OpenPI `norm_stats.json` quantiles always add 1e-6 to the denominator instead.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from ..errors import CheckpointError
 
+# mode -> (low statistic, high statistic) for the modes that map [low, high] onto [-1, 1].
+RANGE_STATS = {"QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "MIN_MAX": ("min", "max")}
+MODES = ("IDENTITY", "MEAN_STD", *RANGE_STATS)
+
+_ONE, _TWO = np.float32(1.0), np.float32(2.0)
+
+
+def required_stats(mode: str) -> tuple[str, ...]:
+    return ("mean", "std") if mode == "MEAN_STD" else RANGE_STATS.get(mode, ())
+
 
 @dataclass(frozen=True)
-class QuantileNormalizer:
-    q01: np.ndarray  # float32 [D]
-    q99: np.ndarray  # float32 [D]
+class Normalizer:
+    """One feature's (un)normalization. `stats` holds float32 [D] arrays named as LeRobot names them."""
+
+    mode: str = "IDENTITY"
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
     eps: float = 1e-8
-    always_add_eps: bool = False  # OpenPI's rule
+    always_add_eps: bool = False  # OpenPI's quantile rule
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise CheckpointError(f"normalization mode {self.mode!r} is not supported (known: {', '.join(MODES)})")
+        missing = [s for s in required_stats(self.mode) if s not in self.stats]
+        if missing:
+            raise CheckpointError(f"{self.mode} normalization needs the statistics {missing}")
 
     @property
     def denom(self) -> np.ndarray:
-        span = (self.q99 - self.q01).astype(np.float32)
+        """The span a range mode divides by, with its eps rule."""
+        low, high = (self.stats[s] for s in RANGE_STATS[self.mode])
+        span = (high - low).astype(np.float32)
         if self.always_add_eps:
             return (span + np.float32(self.eps)).astype(np.float32)
         return np.where(span == 0, np.float32(self.eps), span).astype(np.float32)
 
+    def _range(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.stats[RANGE_STATS[self.mode][0]][:d], self.denom[:d]
+
     def normalize(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
         d = x.shape[-1]
-        return (np.float32(2.0) * (x - self.q01[:d]) / self.denom[:d] - np.float32(1.0)).astype(np.float32)
+        if self.mode == "IDENTITY":
+            return x
+        if self.mode == "MEAN_STD":
+            mean, std = self.stats["mean"][:d], self.stats["std"][:d]
+            return ((x - mean) / (std + np.float32(self.eps))).astype(np.float32)
+        low, span = self._range(d)
+        return (_TWO * (x - low) / span - _ONE).astype(np.float32)
 
     def unnormalize(self, y: np.ndarray) -> np.ndarray:
         y = np.asarray(y, dtype=np.float32)
         d = y.shape[-1]
-        return ((y + np.float32(1.0)) * self.denom[:d] / np.float32(2.0) + self.q01[:d]).astype(np.float32)
+        if self.mode == "IDENTITY":
+            return y
+        if self.mode == "MEAN_STD":
+            return (y * self.stats["std"][:d] + self.stats["mean"][:d]).astype(np.float32)
+        low, span = self._range(d)
+        if self.mode == "MIN_MAX":
+            return ((y + _ONE) / _TWO * span + low).astype(np.float32)
+        return ((y + _ONE) * span / _TWO + low).astype(np.float32)
 
-    def cut(self, dim: int) -> "QuantileNormalizer":
-        if len(self.q01) < dim:
-            raise CheckpointError(f"normalization stats cover {len(self.q01)} dims, the policy needs {dim}")
-        return QuantileNormalizer(self.q01[:dim], self.q99[:dim], self.eps, self.always_add_eps)
+    def cut(self, dim: int) -> "Normalizer":
+        used = {s: self.stats[s] for s in required_stats(self.mode)}
+        short = [f"{s} ({len(v)})" for s, v in used.items() if len(v) < dim]
+        if short:
+            raise CheckpointError(f"normalization statistics {', '.join(short)} cover fewer dims than the "
+                                  f"policy's {dim}")
+        return Normalizer(self.mode, {s: v[:dim] for s, v in used.items()}, self.eps, self.always_add_eps)
+
+
+def QuantileNormalizer(q01, q99, eps: float = 1e-8, always_add_eps: bool = False) -> Normalizer:
+    """Quantile normalization from q01/q99 (Pi0.5's default mode)."""
+    return Normalizer("QUANTILES", {"q01": np.asarray(q01, np.float32), "q99": np.asarray(q99, np.float32)},
+                      eps, always_add_eps)
 
 
 @dataclass(frozen=True)
 class Normalization:
-    state: QuantileNormalizer
-    action: QuantileNormalizer
+    state: Normalizer
+    action: Normalizer
     source: str
-
-
-def _lerobot_step(checkpoint_dir: Path, pipeline_file: str, registry_name: str):
-    path = checkpoint_dir / pipeline_file
-    pipeline = json.loads(path.read_text())
-    for step in pipeline.get("steps", []):
-        if step.get("registry_name") == registry_name:
-            if "state_file" not in step:
-                raise CheckpointError(f"{path}: step {registry_name} names no state_file")
-            config = step.get("config", {})
-            stats = load_file(str(checkpoint_dir / step["state_file"]))
-            return config, stats
-    raise CheckpointError(f"{path} has no {registry_name} step")
-
-
-def _quantiles(stats: dict, key: str, mode: str, eps: float, where: str) -> QuantileNormalizer:
-    if mode != "QUANTILES":
-        raise CheckpointError(f"{where}: {key} uses {mode} normalization; Pi0.5 checkpoints use QUANTILES")
-    try:
-        return QuantileNormalizer(stats[f"{key}.q01"].astype(np.float32), stats[f"{key}.q99"].astype(np.float32), eps)
-    except KeyError as e:
-        raise CheckpointError(f"{where}: missing statistic {e.args[0]}") from None
-
-
-def load_lerobot_normalization(checkpoint_dir: Path) -> Normalization:
-    pre_cfg, pre_stats = _lerobot_step(checkpoint_dir, "policy_preprocessor.json", "normalizer_processor")
-    post_cfg, post_stats = _lerobot_step(checkpoint_dir, "policy_postprocessor.json", "unnormalizer_processor")
-
-    def mode(cfg: dict, kind: str) -> str:
-        return cfg.get("norm_map", {}).get(kind, "QUANTILES")
-
-    state = _quantiles(pre_stats, "observation.state", mode(pre_cfg, "STATE"), float(pre_cfg.get("eps", 1e-8)),
-                       "policy_preprocessor.json")
-    action = _quantiles(post_stats, "action", mode(post_cfg, "ACTION"), float(post_cfg.get("eps", 1e-8)),
-                        "policy_postprocessor.json")
-    return Normalization(state=state, action=action, source="lerobot")
 
 
 def load_openpi_normalization(norm_stats_file: Path) -> Normalization:
     data = json.loads(norm_stats_file.read_text())
     stats = data.get("norm_stats", data)
 
-    def quantiles(key: str) -> QuantileNormalizer:
+    def quantiles(key: str) -> Normalizer:
         try:
             entry = stats[key]
-            return QuantileNormalizer(np.asarray(entry["q01"], np.float32), np.asarray(entry["q99"], np.float32),
-                                      eps=1e-6, always_add_eps=True)
+            return QuantileNormalizer(entry["q01"], entry["q99"], eps=1e-6, always_add_eps=True)
         except KeyError as e:
             raise CheckpointError(f"{norm_stats_file}: missing {e.args[0]!r} (Pi0.5 needs q01/q99)") from None
 
     return Normalization(state=quantiles("state"), action=quantiles("actions"), source="openpi")
 
 
-def load_normalization(checkpoint_dir: Path) -> Normalization:
-    if (checkpoint_dir / "policy_preprocessor.json").exists():
-        return load_lerobot_normalization(checkpoint_dir)
+def find_openpi_norm_stats(checkpoint_dir: Path) -> Path | None:
     candidates = sorted(checkpoint_dir.glob("assets/*/norm_stats.json")) + sorted(checkpoint_dir.glob("norm_stats.json"))
-    if len(candidates) == 1:
-        return load_openpi_normalization(candidates[0])
     if len(candidates) > 1:
         raise CheckpointError(f"{checkpoint_dir} holds several norm_stats.json files ({[str(c) for c in candidates]}); "
                               "keep the one for your robot")
-    raise CheckpointError(f"{checkpoint_dir} has no normalization statistics "
-                          "(policy_preprocessor.json + policy_postprocessor.json, or assets/*/norm_stats.json)")
+    return candidates[0] if candidates else None
+
+
+def load_normalization(checkpoint_dir: Path) -> Normalization:
+    """The state and action normalization a checkpoint's processor files (or norm_stats.json) define."""
+    from .pipeline import ProcessorPipeline  # the pipeline parses LeRobot's processor files
+
+    return ProcessorPipeline.load(checkpoint_dir).normalization

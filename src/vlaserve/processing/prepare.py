@@ -17,18 +17,19 @@ from ..errors import InvalidObservation, InvalidRequest
 from ..model.pi05 import RTCGuidance, rtc_prefix_weights
 from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
 from .images import bytes_to_model_range, empty_image, prepare_image
-from .normalize import Normalization
+from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer, build_prompt, discretize_state
 
 log = logging.getLogger(__name__)
 
 
 class Preprocessor:
-    def __init__(self, config: PolicyConfig, normalization: Normalization, tokenizer: PromptTokenizer,
+    def __init__(self, config: PolicyConfig, pipeline: ProcessorPipeline, tokenizer: PromptTokenizer,
                  prompt_buckets: tuple[int, ...] = ()):
-        self.config, self.normalization, self.tokenizer = config, normalization, tokenizer
-        self.state_norm = normalization.state.cut(config.state_dim)
-        self.action_norm = normalization.action.cut(config.action_dim)
+        self.config, self.pipeline, self.tokenizer = config, pipeline, tokenizer
+        self.normalization = pipeline.normalization
+        self.state_norm = pipeline.state_normalizer.cut(config.state_dim)
+        self.action_norm = pipeline.action_unnormalizer.cut(config.action_dim)
         if prompt_buckets and not 1 <= prompt_buckets[0] <= prompt_buckets[-1] <= config.max_token_len:
             raise ValueError(f"prompt buckets must lie in [1, {config.max_token_len}]")
         # Opt-in: pad prompts only to the smallest bucket that holds the batch's longest prompt.
@@ -100,6 +101,9 @@ class Preprocessor:
         for name in ("inference_delay", "execution_horizon"):
             if getattr(rtc, name) > h:
                 raise InvalidRequest(f"rtc.{name}", f"at most the action horizon, {h}")
+        if rtc.space == "action" and self.pipeline.relative_actions is not None:
+            raise InvalidRequest("rtc.space", "action-space chunks of a relative-actions checkpoint need "
+                                              "re-anchoring to the state; send the model-space chunk")
         if rtc.space == "action":
             chunk = self.action_norm.normalize(chunk)
         prev = torch.zeros(h, a)
@@ -131,6 +135,10 @@ class Preprocessor:
             rtc = RTCGuidance(prev, weights, max_weight)
         return inputs, noise, rtc
 
-    def postprocess(self, model_actions: np.ndarray) -> np.ndarray:
-        """Model-space actions [..., max_action_dim] -> the robot's actions [..., action_dim], un-normalized."""
-        return self.action_norm.unnormalize(model_actions[..., : self.config.action_dim])
+    def postprocess(self, model_actions: np.ndarray, requests: list[Request]) -> np.ndarray:
+        """Model-space actions [B, H, max_action_dim] -> the robot's actions [B, H, action_dim]:
+        un-normalized, and made absolute for relative-actions checkpoints (offsets from each raw state)."""
+        actions = self.action_norm.unnormalize(model_actions[..., : self.config.action_dim])
+        if self.pipeline.relative_actions is None:
+            return actions
+        return self.pipeline.to_absolute(actions, np.stack([r.observation.state for r in requests]))

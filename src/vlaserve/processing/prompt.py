@@ -84,16 +84,60 @@ class PromptTokenizer:
         return TokenizedPrompt(ids=out, mask=mask, num_tokens=n, truncated=n > max_len)
 
 
-def find_tokenizer(checkpoint_dir: Path, explicit: Path | None = None) -> Path:
-    """An explicit path, else a tokenizer next to the weights, else a clear error."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+_WAYS = ("put the tokenizer next to the weights (tokenizer/, tokenizer.json or tokenizer.model), "
+         "pass --tokenizer with a hub id, a directory or a file, or let vlaserve fetch the hub id the "
+         "checkpoint's policy_preprocessor.json names (online, HF_HUB_OFFLINE unset)")
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def fetch_tokenizer(repo_id: str) -> Path:
+    """The tokenizer files of hub repo `repo_id`, from the local cache when offline."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=list(TOKENIZER_FILES), local_files_only=offline))
+    except GatedRepoError:
+        raise CheckpointError(
+            f"the tokenizer repo {repo_id} is gated: accept its license at https://huggingface.co/{repo_id}, "
+            "then log in with `huggingface-cli login` (or `hf auth login`) or set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"the tokenizer repo {repo_id} does not exist on the Hugging Face hub (or is "
+                              "private: log in with `huggingface-cli login` or set HF_TOKEN)") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        why = "offline (HF_HUB_OFFLINE) and not in the local cache" if offline else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"could not fetch the tokenizer {repo_id} ({why}); {_WAYS}") from None
+    if not any((path / name).exists() for name in TOKENIZER_FILES[:2]):
+        raise CheckpointError(f"the hub repo {repo_id} holds neither tokenizer.json nor tokenizer.model")
+    return path
+
+
+def find_tokenizer(checkpoint_dir: Path, explicit: str | Path | None = None, hub_name: str | None = None) -> Path:
+    """The tokenizer to use: `explicit` (a directory, a file or a hub id), else one next to the
+    weights, else the hub id `hub_name` (by default the one the checkpoint's tokenizer step names;
+    LeRobot checkpoints ship no tokenizer), else one error naming all three ways."""
     if explicit is not None:
-        if not Path(explicit).exists():
-            raise CheckpointError(f"tokenizer {explicit} does not exist")
-        return Path(explicit)
+        if Path(explicit).expanduser().exists():
+            return Path(explicit).expanduser()
+        if _looks_like_hub_id(str(explicit)):
+            return fetch_tokenizer(str(explicit))
+        raise CheckpointError(f"tokenizer {explicit} is neither a file, a directory nor a hub id (owner/name)")
     for candidate in (checkpoint_dir / "tokenizer", checkpoint_dir / "tokenizer.json",
                       checkpoint_dir / "tokenizer.model"):
         if candidate.exists():
             return candidate
-    raise CheckpointError(
-        f"no tokenizer found in {checkpoint_dir} (looked for tokenizer/, tokenizer.json, tokenizer.model); "
-        "pass one with --tokenizer PATH (the PaliGemma tokenizer, e.g. from google/paligemma-3b-pt-224)")
+    if hub_name is None:
+        from .pipeline import tokenizer_name_of
+
+        hub_name = tokenizer_name_of(checkpoint_dir)
+    if hub_name:
+        return fetch_tokenizer(hub_name)
+    raise CheckpointError(f"no tokenizer for {checkpoint_dir}: {_WAYS} (the PaliGemma tokenizer, "
+                          "google/paligemma-3b-pt-224)")

@@ -33,7 +33,9 @@ def request_from_openpi(raw, service: Service) -> Request:
     if not isinstance(raw, dict):
         raise invalid(None, "an observation must be a map of observation keys to values")
     try:
-        canonical = canonical_observation(raw, tuple(service.metadata["cameras"]), service.settings.camera_aliases)
+        metadata = service.metadata
+        canonical = canonical_observation(raw, tuple(metadata["cameras"]), service.settings.camera_aliases,
+                                          metadata.get("rename_map"))
         if "state" not in canonical:
             raise invalid("state", "missing: send the robot state as 'state' or 'observation/state'")
         if "task" not in canonical:

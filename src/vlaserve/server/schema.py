@@ -130,7 +130,8 @@ def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_resp
         raise invalid("runtime.output_format", "numpy output needs a msgpack response "
                                                "(Accept: application/msgpack)")
     try:
-        canonical = canonical_observation({"images": obs_in.images}, tuple(metadata["cameras"]), aliases)
+        canonical = canonical_observation({"images": obs_in.images}, tuple(metadata["cameras"]), aliases,
+                                          metadata.get("rename_map"))
         observation = Observation.create(canonical["images"], obs_in.state,
                                          inp.task if inp.task is not None else inp.prompt, obs_in.images_normalized)
         rtc = None if parsed.rtc is None else RtcOptions.create(parsed.rtc.model_dump())

@@ -79,15 +79,18 @@ class FastPi05:
         n, p, _ = x.shape
         if self.use_triton:
             return self._vision_triton(x.view(n * p, -1), n, p).view(n, p, -1)
+        # LayerNorms in fp32 from bf16 parameters (the fp32 set is OpenPI's), as the Triton kernel does.
         for i, (lyr, (qkv_w, qkv_b)) in enumerate(zip(vis.layers, self.w.vision_qkv)):
             self._enter("vision", i)
-            y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm1.weight, lyr.layer_norm1.bias, d.layer_norm_eps)
+            y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm1.weight.float(),
+                             lyr.layer_norm1.bias.float(), d.layer_norm_eps)
             attn = self._vision_attention(F.linear(y.to(self.dtype), qkv_w, qkv_b), n, p)
             x = x + lyr.self_attn.out_proj(attn)
-            y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm2.weight, lyr.layer_norm2.bias, d.layer_norm_eps)
+            y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm2.weight.float(),
+                             lyr.layer_norm2.bias.float(), d.layer_norm_eps)
             x = x + lyr.mlp.fc2(F.gelu(lyr.mlp.fc1(y.to(self.dtype)), approximate="tanh"))
         post = vis.post_layernorm
-        return F.layer_norm(x.float(), (d.width,), post.weight, post.bias, d.layer_norm_eps).to(self.dtype)
+        return F.layer_norm(x.float(), (d.width,), post.weight.float(), post.bias.float(), d.layer_norm_eps).to(self.dtype)
 
     def _vision_attention(self, qkv: torch.Tensor, n: int, p: int) -> torch.Tensor:
         d = self.model.vision.dims
