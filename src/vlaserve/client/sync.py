@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI, WebSocketException
 from websockets.sync.client import ClientConnection, connect
@@ -32,6 +33,7 @@ class Client:
         self.url = websocket_url(url, self.protocol)
         self.connects = 0  # successful handshakes; > 1 means it reconnected
         self._ws: ClientConnection | None = None
+        self._exit = ExitStack()  # the open connection's context (websockets wants connect() as one)
         self._metadata: dict | None = None
 
     # ---- connection -------------------------------------------------------------------------------
@@ -62,26 +64,24 @@ class Client:
 
     def _open(self) -> dict:
         s = self.settings
+        stack = ExitStack()
         try:
-            ws = connect(self.url, additional_headers=auth_headers(s.api_key), open_timeout=s.connect_timeout,
-                         max_size=s.max_frame_bytes, compression=None)
+            ws = stack.enter_context(connect(self.url, additional_headers=auth_headers(s.api_key),
+                                             open_timeout=s.connect_timeout, max_size=s.max_frame_bytes,
+                                             compression=None))
         except InvalidStatus as e:
             if e.response.status_code == 401:
                 raise AuthenticationError(f"{self.url} refused the API key (HTTP 401)") from None
             raise
-        try:
+        with stack:  # closes the socket if the metadata frame does not come
             self._metadata = parse_metadata(ws.recv(timeout=s.connect_timeout))
-        except BaseException:
-            ws.close()
-            raise
-        self._ws = ws
+            self._ws, self._exit = ws, stack.pop_all()
         self.connects += 1
         return self._metadata
 
     def close(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            ws.close()
+        self._ws = None
+        self._exit.close()
 
     def __enter__(self) -> Client:
         return self
@@ -111,7 +111,7 @@ class Client:
             raise TimeoutError(f"no reply from {self.url} within {self.settings.timeout:g} s "
                                "(connection closed; the next call reconnects)") from None
         except (ConnectionClosed, OSError) as e:
-            self._ws = None
+            self.close()
             raise ConnectionLost(f"connection to {self.url} lost during a request: {e}") from e
         round_trip_ms = (time.perf_counter() - started) * 1000.0
         try:
