@@ -238,6 +238,11 @@ class ActionChunkExecutor:
             return list(self._events)
 
     @property
+    def error(self) -> BaseException | None:
+        """Why chunk requests stopped (then get_action raises ExecutorError), or None."""
+        return self._error
+
+    @property
     def rtc_active(self) -> bool:
         return self._stats.rtc_active
 
