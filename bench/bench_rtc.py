@@ -198,10 +198,10 @@ def run_mode(mode: str, url: str, args) -> dict:
         client.close()
         events = []
     return summarize(mode, np.array(actions), sorted(switch_ticks), call_s, missed, waited, wall, period,
-                     stats, events)
+                     stats, events, args.joint)
 
 
-def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period, stats, events) -> dict:
+def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period, stats, events, joint) -> dict:
     jumps = np.abs(np.diff(actions, axis=0)).max(axis=1)  # jumps[t-1] = max_j |a_t - a_{t-1}|
     at_switch = np.array([jumps[t - 1] for t in switch_ticks if t >= 1])
     inside = np.delete(jumps, [t - 1 for t in switch_ticks if t >= 1])
@@ -219,7 +219,7 @@ def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period,
                           "max": float(calls_ms.max())},
         "ticks_blocked_on_network": int((calls_ms > period * 1e3 / 2).sum()),
         "fraction_of_time_waiting": waited / wall,
-        "trajectory": actions.tolist(),
+        "trajectory": actions[:, joint].round(5).tolist(),  # the plotted joint only: keeps the JSON small
         "switch_ticks": switch_ticks,
     }
     if stats is not None:
@@ -229,6 +229,7 @@ def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period,
 
 
 def plot(results: dict, joint: int, path: Path, hz: float) -> None:
+    """Joint `joint` around the first three switches after the start, without and with RTC."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +240,7 @@ def plot(results: dict, joint: int, path: Path, hz: float) -> None:
         r = results[mode]
         switches = [t for t in r["switch_ticks"] if t > 20][:3]
         lo, hi = switches[0] - 15, switches[-1] + 15
-        traj = np.array(r["trajectory"])[lo:hi, joint]
+        traj = np.array(r["trajectory"])[lo:hi]
         ticks = np.arange(lo, hi)
         ax.plot(ticks / hz, traj, ".-", lw=1, ms=3)
         for t in switches:

@@ -6,11 +6,11 @@ robot computer: `pip install --no-deps vlaserve && pip install numpy msgpack web
 """
 
 from .aio import AsyncClient
-from .executor import ActionChunkExecutor, Event, ExecutorError, ExecutorStats
+from .executor import ActionChunkExecutor, ExecutorError, ExecutorEvent, ExecutorStats
 from .protocol import (AuthenticationError, ClientError, ConnectionLost, Reply, RtcNotSupported,
                        ServerError)
 from .sync import Client
 
 __all__ = ["ActionChunkExecutor", "AsyncClient", "AuthenticationError", "Client", "ClientError",
-           "ConnectionLost", "Event", "ExecutorError", "ExecutorStats", "Reply", "RtcNotSupported",
+           "ConnectionLost", "ExecutorError", "ExecutorEvent", "ExecutorStats", "Reply", "RtcNotSupported",
            "ServerError"]

@@ -59,7 +59,7 @@ class ExecutorStats:
 
 
 @dataclass(frozen=True)
-class Event:
+class ExecutorEvent:
     tick: int
     kind: str  # switch, underrun, stale_reply, connection_failed, reconnected, rtc_disabled
     detail: dict = field(default_factory=dict)
@@ -233,7 +233,7 @@ class ActionChunkExecutor:
             return dataclasses.replace(self._stats)
 
     @property
-    def events(self) -> list[Event]:
+    def events(self) -> list[ExecutorEvent]:
         with self._lock:
             return list(self._events)
 
@@ -342,7 +342,7 @@ class ActionChunkExecutor:
                                 f"[{self.horizon}, {self.action_dim}] (did it restart with another checkpoint?)")
 
     def _event(self, tick: int, kind: str, **detail) -> None:
-        self._events.append(Event(tick, kind, detail))
+        self._events.append(ExecutorEvent(tick, kind, detail))
 
 
 def _is_rtc_refusal(error: Exception) -> bool:
