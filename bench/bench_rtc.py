@@ -228,7 +228,7 @@ def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period,
     return out
 
 
-def plot(results: dict, joint: int, path: Path, hz: float) -> None:
+def plot(results: dict, joint: int, path: Path, hz: float, horizon: int) -> None:
     """Joint `joint` around the first three switches after the start, without and with RTC."""
     import matplotlib
 
@@ -245,11 +245,15 @@ def plot(results: dict, joint: int, path: Path, hz: float) -> None:
         ax.plot(ticks / hz, traj, ".-", lw=1, ms=3)
         for t in switches:
             ax.axvline(t / hz, color="tab:red", ls="--", lw=1)
+        for e in r.get("events", []):  # where the previous plan (the guided prefix) ended
+            end = e["tick"] - e["index"] + horizon if e["kind"] == "switch" else None
+            if end is not None and lo <= end < hi:
+                ax.axvline(end / hz, color="gray", ls=":", lw=1)
         jump = r["jump_at_switch"]["mean"]
         title = "with RTC" if mode == "async+rtc" else "without RTC (plain switching)"
         ax.set_title(f"{title}: mean jump at switches {jump:.3f}, inside chunks {r['jump_inside_chunk']['mean']:.3f}")
-        ax.set_ylabel(f"joint {joint} command")
-    axes[-1].set_xlabel("time (s); dashed: chunk switches")
+        ax.set_ylabel(f"joint {joint}")
+    axes[-1].set_xlabel("time (s); dashed red: chunk switches; dotted gray: end of the previous chunk's remainder")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -303,7 +307,7 @@ def main() -> None:
               "settings": vars(args), "rtc_over_plain_jump_at_switch": ratio, "modes": results}
     name = "bench_rtc" + (f"_{args.label}" if args.label else "")
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    plot(results, args.joint, out / f"{name}.png", args.hz)
+    plot(results, args.joint, out / f"{name}.png", args.hz, args.horizon)
     print(f"RTC / plain mean jump at switches: {ratio:.3f}; wrote {out / name}.json and .png")
 
 

@@ -116,6 +116,22 @@ def test_late_reply_runs_the_old_chunk_out_then_repeats_or_holds(server, policy)
     robot.executor.close()
 
 
+def test_a_delay_longer_than_the_remainder_pads_prev_chunk_with_the_held_action(server):
+    gate = threading.Event()
+    server.script.append(Scripted(gate=gate))
+    robot = Robot(server, on_underrun="hold", hold_action=[0.5, -0.5])
+    robot.run(TRIGGER + 10)  # chunk 2 arrives on tick 22: 10 ticks = 200 ms, delay 11 > 8 left
+    gate.set()
+    robot.wait_for_chunk(2)
+    robot.run(H)  # tick 24 (8 left of chunk 2, which started at tick 12) sends request 3
+    request = server.wait_for_requests(3)
+    prev = request["rtc"]["prev_chunk"]
+    np.testing.assert_array_equal(prev[:8], chunk(2)[TRIGGER:])
+    np.testing.assert_array_equal(prev[8:], np.tile([0.5, -0.5], (3, 1)))
+    assert (request["rtc"]["inference_delay"], request["rtc"]["execution_horizon"]) == (11, 11)
+    robot.executor.close()
+
+
 def test_a_reply_older_than_its_chunk_is_dropped_and_asked_again(server):
     gate = threading.Event()
     server.script.append(Scripted(gate=gate))
@@ -123,9 +139,11 @@ def test_a_reply_older_than_its_chunk_is_dropped_and_asked_again(server):
     robot.run(TRIGGER + H)  # ticks 0..31: the reply for tick 12 would start at index 20 = H
     gate.set()
     wait_until(lambda: robot.executor.stats.stale_replies == 1, what="stale reply")
-    robot.run(1)  # tick 32 asks again; the old chunk has run out, so no prev_chunk and no RTC
+    robot.run(1)  # tick 32 asks again. The old chunk has run out: the robot will hold its last action
     request = server.wait_for_requests(3)
-    assert "rtc" not in request
+    # The stale reply measured 400 ms = 20 ticks (+1), capped at H: guide all of it toward the hold.
+    assert (request["rtc"]["inference_delay"], request["rtc"]["execution_horizon"]) == (H, H)
+    np.testing.assert_array_equal(request["rtc"]["prev_chunk"], np.repeat(chunk(1)[-1:], H, axis=0))
     np.testing.assert_array_equal(request["input"]["observation"]["state"], observation(32)["state"])
     robot.wait_for_chunk(2)
     assert robot.run(1) == [(3, 1)]

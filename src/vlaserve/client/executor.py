@@ -10,7 +10,8 @@ client. Timeline of one request, with H the chunk length, h `execution_horizon`:
 
 With RTC the server is told `inference_delay` d (our estimate of d') and the remainder, and makes
 the new chunk's first d actions equal the ones the robot is executing meanwhile, then blends over
-h steps: the switch is smooth as long as d' <= d. Without RTC the same indices are used (the
+h steps: the switch is smooth as long as d' <= d. If d exceeds what is left of the old chunk, the
+prev_chunk sent is padded with the action the robot will hold meanwhile (see on_underrun). Without RTC the same indices are used (the
 actions for ticks already past are skipped), but the two chunks need not agree at the switch.
 """
 
@@ -71,6 +72,7 @@ class _Request:
     tick: int
     time: float
     remainder: np.ndarray | None  # the planned actions from `tick` on; None once the chunk ran out
+    held_action: np.ndarray       # the action served on `tick` (what "repeat" repeats)
 
 
 class ActionChunkExecutor:
@@ -220,7 +222,7 @@ class ActionChunkExecutor:
                                 "repeating the last action" if self.on_underrun == "repeat" else "holding")
             if request_due:
                 remainder = self._chunk[index:] if index < self.horizon else None
-                self._pending = _Request(_snapshot(_read(observation)), tick, self._clock(), remainder)
+                self._pending = _Request(_snapshot(_read(observation)), tick, self._clock(), remainder, action)
                 self._in_flight = True
                 self._lock.notify_all()
             self._last_action = action
@@ -267,10 +269,10 @@ class ActionChunkExecutor:
 
     def _fetch(self, request: _Request, delay: int) -> None:
         rtc = None
-        if self._stats.rtc_active and request.remainder is not None:
-            rtc = {"prev_chunk": request.remainder, "space": "action",
-                   "inference_delay": min(delay, len(request.remainder)),
-                   "execution_horizon": self.execution_horizon, **self._rtc_options}
+        if self._stats.rtc_active:
+            prev = self._expected_execution(request, delay)
+            rtc = {"prev_chunk": prev, "space": "action", "inference_delay": min(delay, len(prev)),
+                   "execution_horizon": max(self.execution_horizon, len(prev)), **self._rtc_options}
         with self._lock:
             self._stats.requests += 1
             self._stats.rtc_requests += rtc is not None
@@ -320,6 +322,22 @@ class ActionChunkExecutor:
             self._chunk, self._chunk_start, self._underrun = actions, request.tick, False
 
     # ---- helpers (callers hold the lock where state is shared) ----------------------------------------
+    def _expected_execution(self, request: _Request, delay: int) -> np.ndarray:
+        """What the robot will execute from the request's tick on: the remainder, then, if the reply
+        is expected after the chunk runs out, the underrun action for the ticks in between. Guiding
+        the new chunk toward the held action too makes a late switch as smooth as a timely one."""
+        remainder = request.remainder
+        if remainder is None:
+            remainder = np.zeros((0, self.action_dim), np.float32)
+        missing = min(delay, self.horizon) - len(remainder)
+        if missing <= 0:
+            return remainder
+        if self.on_underrun == "hold":
+            held = self._hold_action
+        else:
+            held = remainder[-1] if len(remainder) else request.held_action
+        return np.concatenate([remainder, np.repeat(held[None], missing, axis=0)]).astype(np.float32)
+
     def _delay_ticks(self) -> int:
         age = max(self._ages) if self._ages else self._first_age
         return max(1, math.ceil(age * self.control_hz - 1e-9) + self.delay_margin_ticks)
