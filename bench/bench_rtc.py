@@ -235,7 +235,7 @@ def plot(results: dict, joint: int, path: Path, hz: float, horizon: int) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharey=True)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharey=True, layout="constrained")
     for ax, mode in zip(axes, ("async", "async+rtc")):
         r = results[mode]
         switches = [t for t in r["switch_ticks"] if t > 20][:3]
@@ -254,7 +254,6 @@ def plot(results: dict, joint: int, path: Path, hz: float, horizon: int) -> None
         ax.set_title(f"{title}: mean jump at switches {jump:.3f}, inside chunks {r['jump_inside_chunk']['mean']:.3f}")
         ax.set_ylabel(f"joint {joint}")
     axes[-1].set_xlabel("time (s); dashed red: chunk switches; dotted gray: end of the previous chunk's remainder")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
