@@ -1,0 +1,178 @@
+"""What the sync and asyncio clients share: errors, the two wire protocols, URLs, auth, backoff.
+
+Nothing here does I/O, so `sync.py` and `aio.py` differ only in how they move frames.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from .codec import packb, unpackb
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+class ClientError(Exception):
+    """Base class of every error the client raises on purpose."""
+
+
+class ServerError(ClientError):
+    """The server refused a request: `type` (e.g. invalid_observation), the `field` at fault, `message`."""
+
+    def __init__(self, type: str, field: str | None, message: str):
+        where = f" at {field}" if field else ""
+        super().__init__(f"{type}{where}: {message}")
+        self.type, self.field, self.message = type, field, message
+
+
+class AuthenticationError(ClientError):
+    """The server answered the handshake with HTTP 401: missing or wrong API key. Never retried."""
+
+
+class ConnectionLost(ClientError, ConnectionError):
+    """The connection closed while a request was in flight; the next call reconnects."""
+
+
+class RtcNotSupported(ClientError):
+    """RTC guidance was asked of a protocol (OpenPI's) or server that has none."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    actions: np.ndarray            # [action_horizon, action_dim] float32, robot units
+    round_trip_ms: float           # send -> reply decoded, as the client saw it
+    server_timing: dict = field(default_factory=dict)
+
+
+# ---- protocols ------------------------------------------------------------------------------------
+class RealtimeProtocol:
+    """WS /v1/actions/realtime: generation request bodies in, envelopes (or errors) out."""
+
+    name, path = "realtime", "/v1/actions/realtime"
+
+    @staticmethod
+    def encode(observation: Mapping, rtc: Mapping | None, seed: int | None,
+               num_inference_steps: int | None) -> bytes:
+        obs = dict(observation)
+        if ("task" in obs) == ("prompt" in obs):
+            raise ValueError("the observation needs exactly one of 'task' and 'prompt' (the instruction)")
+        task = obs.pop("task", None) or obs.pop("prompt")
+        body = {"input": {"task": task, "observation": obs},
+                "runtime": {"output_format": "numpy", "return_timing": True}}
+        parameters = {k: v for k, v in (("seed", seed), ("num_inference_steps", num_inference_steps))
+                      if v is not None}
+        if parameters:
+            body["parameters"] = parameters
+        if rtc is not None:
+            body["rtc"] = dict(rtc)
+        return packb(body)
+
+    @staticmethod
+    def decode(frame) -> tuple[np.ndarray, dict]:
+        reply = unpackb(frame) if isinstance(frame, bytes) else None
+        if not isinstance(reply, dict):
+            raise ClientError(f"unexpected realtime reply: {str(frame)[:200]!r}")
+        if "error" in reply:
+            error = reply["error"] or {}
+            raise ServerError(str(error.get("type")), error.get("field"), str(error.get("message")))
+        try:
+            actions = reply["data"][0]["action"]["values"]
+        except (KeyError, IndexError, TypeError):
+            raise ClientError(f"realtime reply has no data[0].action.values: keys {sorted(reply)}") from None
+        return np.asarray(actions, dtype=np.float32), dict(reply.get("timings") or {})
+
+
+# OpenPI reports an error as one text frame, "type: field: message" or "type: message" (then 1011).
+_OPENPI_ERROR = re.compile(r"^(?P<type>[a-z_]+): (?:(?P<field>[^\s:]+): )?(?P<message>.*)$", re.S)
+
+
+class OpenPIProtocol:
+    """WS /openpi/policy: observation dicts in, {"actions", "server_timing", ...} out. No RTC, no seed."""
+
+    name, path = "openpi", "/openpi/policy"
+
+    @staticmethod
+    def encode(observation: Mapping, rtc: Mapping | None, seed: int | None,
+               num_inference_steps: int | None) -> bytes:
+        if rtc is not None:
+            raise RtcNotSupported("the OpenPI protocol carries no RTC guidance; use protocol='realtime'")
+        if seed is not None or num_inference_steps is not None:
+            raise ValueError("the OpenPI protocol takes no seed or num_inference_steps; use protocol='realtime'")
+        return packb(dict(observation))
+
+    @staticmethod
+    def decode(frame) -> tuple[np.ndarray, dict]:
+        if isinstance(frame, str):
+            match = _OPENPI_ERROR.match(frame)
+            if match is None:  # an internal error: the server sends its traceback
+                raise ServerError("internal_error", None, frame.strip())
+            raise ServerError(match["type"], match["field"], match["message"])
+        reply = unpackb(frame)
+        if not isinstance(reply, dict) or "actions" not in reply:
+            raise ClientError(f"OpenPI reply has no 'actions': {str(reply)[:200]!r}")
+        return np.asarray(reply["actions"], dtype=np.float32), dict(reply.get("server_timing") or {})
+
+
+PROTOCOLS = {p.name: p for p in (RealtimeProtocol, OpenPIProtocol)}
+
+
+def protocol_named(name: str):
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {name!r}; choose one of {sorted(PROTOCOLS)}")
+    return PROTOCOLS[name]
+
+
+def websocket_url(url: str, protocol) -> str:
+    """'host:port', 'http(s)://…' or 'ws(s)://…'; with no path, the protocol's own path is added."""
+    if "://" not in url:
+        url = "ws://" + url
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss"):
+        raise ValueError(f"a server URL is ws://, wss://, http:// or https://, not {url!r}")
+    path = parts.path if parts.path not in ("", "/") else protocol.path
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def parse_metadata(frame) -> dict:
+    metadata = unpackb(frame) if isinstance(frame, bytes) else None
+    if not isinstance(metadata, dict):
+        raise ClientError(f"the server's first frame is not a metadata map: {str(frame)[:200]!r}")
+    return metadata
+
+
+def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
+    """initial, 2·initial, 4·initial … capped at maximum, each shortened by up to 20% at random so
+    that a fleet of robots does not reconnect to a restarted server in lockstep."""
+    delay = initial
+    while True:
+        yield delay * random.uniform(0.8, 1.0)
+        delay = min(maximum, delay * 2)
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    url: str = "ws://127.0.0.1:8000"
+    protocol: str = "realtime"
+    api_key: str | None = None
+    timeout: float = 10.0           # per request: send -> reply
+    connect_timeout: float = 5.0    # one handshake + metadata frame
+    reconnect_timeout: float = 30.0  # keep retrying a refused/failed connect this long, then raise
+    backoff_initial: float = 0.1
+    backoff_max: float = 2.0
+    max_frame_bytes: int = 64 * 2**20
+
+    def __post_init__(self):
+        protocol_named(self.protocol)
+        for name in ("timeout", "connect_timeout", "reconnect_timeout", "backoff_initial", "backoff_max"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -1,0 +1,123 @@
+"""The blocking client: one websocket, reconnected with backoff, one request at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from contextlib import ExitStack
+
+from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI, WebSocketException
+from websockets.sync.client import ClientConnection, connect
+
+from .protocol import (AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
+                       backoff_delays, parse_metadata, protocol_named, websocket_url)
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """A vlaserve server over `/v1/actions/realtime` (default) or the OpenPI socket.
+
+    >>> with Client("ws://gpu-box:8000", api_key=KEY) as client:
+    ...     chunk = client.infer({"images": {"base_0_rgb": img}, "state": state, "task": "fold"}).actions
+
+    Connects on first use. A call made while disconnected reconnects (backoff up to
+    `reconnect_timeout`); a connection lost mid-request raises ConnectionLost, a late reply
+    TimeoutError (and the socket is closed, so that reply cannot be taken for the next one's).
+    """
+
+    def __init__(self, url: str = "ws://127.0.0.1:8000", **settings):
+        self.settings = ConnectionSettings(url=url, **settings)
+        self.protocol = protocol_named(self.settings.protocol)
+        self.url = websocket_url(url, self.protocol)
+        self.connects = 0  # successful handshakes; > 1 means it reconnected
+        self._ws: ClientConnection | None = None
+        self._exit = ExitStack()  # the open connection's context (websockets wants connect() as one)
+        self._metadata: dict | None = None
+
+    # ---- connection -------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    def connect(self) -> dict:
+        """Opens the socket and reads the metadata frame, retrying refused or failed attempts with
+        exponential backoff for up to `reconnect_timeout` seconds. Returns the metadata."""
+        if self._ws is not None:
+            return self._metadata
+        s = self.settings
+        deadline = time.monotonic() + s.reconnect_timeout
+        for delay in backoff_delays(s.backoff_initial, s.backoff_max):
+            try:
+                return self._open()
+            except AuthenticationError:
+                raise
+            except (OSError, TimeoutError, WebSocketException) as e:
+                if isinstance(e, InvalidURI):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"cannot connect to {self.url} within {s.reconnect_timeout:g} s: "
+                                          f"{type(e).__name__}: {e}") from e
+                log.info("connect to %s failed (%s); retrying in %.2f s", self.url, e, delay)
+                time.sleep(delay)
+
+    def _open(self) -> dict:
+        s = self.settings
+        stack = ExitStack()
+        try:
+            ws = stack.enter_context(connect(self.url, additional_headers=auth_headers(s.api_key),
+                                             open_timeout=s.connect_timeout, max_size=s.max_frame_bytes,
+                                             compression=None))
+        except InvalidStatus as e:
+            if e.response.status_code == 401:
+                raise AuthenticationError(f"{self.url} refused the API key (HTTP 401)") from None
+            raise
+        with stack:  # closes the socket if the metadata frame does not come
+            self._metadata = parse_metadata(ws.recv(timeout=s.connect_timeout))
+            self._ws, self._exit = ws, stack.pop_all()
+        self.connects += 1
+        return self._metadata
+
+    def close(self) -> None:
+        self._ws = None
+        self._exit.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- calls --------------------------------------------------------------------------------------
+    def metadata(self) -> dict:
+        """The server's metadata (action_horizon, action_dim, cameras, …), from the latest connect."""
+        return self.connect()
+
+    def infer(self, observation: Mapping, *, rtc: Mapping | None = None, seed: int | None = None,
+              num_inference_steps: int | None = None) -> Reply:
+        """One action chunk for `observation` ({"images": {camera: HxWx3}, "state": [...], "task": str}).
+        `rtc`: {"prev_chunk": [T, action_dim], "space": "action", "inference_delay", "execution_horizon", …}.
+        Raises ServerError (naming the field) when the server refuses the request."""
+        frame = self.protocol.encode(observation, rtc, seed, num_inference_steps)
+        self.connect()
+        ws = self._ws
+        started = time.perf_counter()
+        try:
+            ws.send(frame)
+            answer = ws.recv(timeout=self.settings.timeout)
+        except TimeoutError:
+            self.close()
+            raise TimeoutError(f"no reply from {self.url} within {self.settings.timeout:g} s "
+                               "(connection closed; the next call reconnects)") from None
+        except (ConnectionClosed, OSError) as e:
+            self.close()
+            raise ConnectionLost(f"connection to {self.url} lost during a request: {e}") from e
+        round_trip_ms = (time.perf_counter() - started) * 1000.0
+        try:
+            actions, timing = self.protocol.decode(answer)
+        except ServerError:
+            if self.protocol.name == "openpi":  # the server closes the socket after an error
+                self.close()
+            raise
+        return Reply(actions, round_trip_ms, timing)
