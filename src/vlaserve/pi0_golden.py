@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import _model_from_architecture
+from .errors import CheckpointError
 from .golden import FLOAT_TOLERANCE, GoldenCase, case_dirs
 from .model.pi0 import Pi0Model
 from .model.pi0_keys import PI0_LAYOUT, load_checkpoint
@@ -41,7 +42,8 @@ class Pi0Parts:
         checkpoint_dir = Path(checkpoint_dir)
         arch = json.loads((checkpoint_dir / "architecture.json").read_text())
         p = arch["policy"]
-        assert p["type"] == "pi0", p["type"]
+        if p.get("type") != "pi0":
+            raise CheckpointError(f"{checkpoint_dir}/architecture.json describes a {p.get('type')!r} policy, not pi0")
         config = _model_from_architecture(arch, p["chunk_size"], p["max_action_dim"])
         with torch.device("meta"):
             model = Pi0Model(config, max_state_dim=p["max_state_dim"])
