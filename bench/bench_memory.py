@@ -52,7 +52,7 @@ from vlaserve.errors import InsufficientMemory  # noqa: E402
 from vlaserve.memory import GIB, PROFILES, check_fit, cuda_budget  # noqa: E402
 from vlaserve.policy import ModelInputs  # noqa: E402
 from vlaserve.processing.normalize import Normalization, QuantileNormalizer  # noqa: E402
-from vlaserve.weights import build_model, load_weights, random_model, to_lerobot_name  # noqa: E402
+from vlaserve.checkpoint.weights import build_model, load_weights, random_model, to_lerobot_name  # noqa: E402
 
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 TOKENS, VALID_TOKENS, STEPS = 200, 70, 10
@@ -234,7 +234,7 @@ t0 = time.perf_counter()
 checkpoint, device, loader, ahead = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 if ahead:  # as `vlaserve serve` does: start reading the weight files before the heavy imports
     from pathlib import Path
-    from vlaserve.files import read_ahead
+    from vlaserve.checkpoint.files import read_ahead
     reader = read_ahead(Path(checkpoint))
 import numpy as np
 import torch

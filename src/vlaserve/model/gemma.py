@@ -1,7 +1,8 @@
-"""Gemma decoder pieces shared by the Pi0.5 prefix LM and its action expert.
+"""Gemma decoder pieces shared by the Pi0/Pi0.5 prefix LM and their action experts.
 
-Both use multi-query attention (one K/V head), RoPE, GeGLU MLPs and RMSNorm. The expert's
-norms are adaptive (AdaRMS): scale, shift and a residual gate come from the time condition.
+Both use multi-query attention (one K/V head), RoPE, GeGLU MLPs and RMSNorm. Pi0.5's expert
+norms are adaptive (AdaRMS): scale, shift and a residual gate come from the time condition;
+Pi0's expert uses the plain ones.
 """
 
 from __future__ import annotations
@@ -173,32 +174,49 @@ class GemmaPrefixLM(nn.Module):
 
 
 class GemmaActionExpert(nn.Module):
-    """The Gemma-300M action expert: AdaRMS everywhere, no token embeddings."""
+    """The Gemma-300M action expert, no token embeddings. Pi0.5's norms are AdaRMS (`adarms`, the time
+    condition modulates them and gates the residuals); Pi0's are plain RMSNorm with plain residuals."""
 
-    def __init__(self, dims: GemmaDims):
+    def __init__(self, dims: GemmaDims, adarms: bool = True):
         super().__init__()
         self.dims = dims
-        self.layers = nn.ModuleList(GemmaLayer(dims, adarms_cond_dim=dims.width) for _ in range(dims.depth))
-        self.norm = AdaRMSNorm(dims.width, dims.width, dims.rms_norm_eps)
+        cond_dim = dims.width if adarms else None
+        self.layers = nn.ModuleList(GemmaLayer(dims, adarms_cond_dim=cond_dim) for _ in range(dims.depth))
+        eps = dims.rms_norm_eps
+        self.norm = AdaRMSNorm(dims.width, dims.width, eps) if adarms else RMSNorm(dims.width, eps)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].self_attn.q_proj.weight.dtype
 
-    def forward(self, h, cond, prefix_kv, bias, positions) -> torch.Tensor:
+    def forward(self, h, cond, prefix_kv, bias, positions, new_kv: list | None = None) -> torch.Tensor:
         """One pass over the action tokens.
 
-        h [B, H, W] action embeddings; cond [B, W] time condition; prefix_kv per layer (k, v);
-        bias [B, H, P + H]; positions [B, H]. Returns the final-normed hidden state [B, H, W].
+        h [B, H, W] action embeddings; cond [B, W] time condition (None for plain norms); prefix_kv per
+        layer (k, v); bias [B, H, P + H]; positions [B, H]. Returns the final-normed hidden state [B, H, W].
+        `new_kv`, a list, receives each layer's (k, v) of these H tokens (post-RoPE).
         """
         h = h.to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta, h.dtype)
         for layer, (prefix_k, prefix_v) in zip(self.layers, prefix_kv):
-            scale, shift, gate = layer.input_layernorm.modulation(cond)
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h, scale, shift), cos, sin)
+            x, gate = _expert_norm(layer.input_layernorm, h, cond)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            if new_kv is not None:
+                new_kv.append((k, v))
             k, v = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
-            h = h + layer.self_attn.o_proj(mqa_attention(q, k, v, bias)) * gate.to(h.dtype)
-            scale, shift, gate = layer.post_attention_layernorm.modulation(cond)
-            h = h + layer.mlp(layer.post_attention_layernorm(h, scale, shift)) * gate.to(h.dtype)
-        scale, shift, _ = self.norm.modulation(cond)
-        return self.norm(h, scale, shift)
+            h = _residual(h, layer.self_attn.o_proj(mqa_attention(q, k, v, bias)), gate)
+            x, gate = _expert_norm(layer.post_attention_layernorm, h, cond)
+            h = _residual(h, layer.mlp(x), gate)
+        return _expert_norm(self.norm, h, cond)[0]
+
+
+def _expert_norm(norm: nn.Module, h: torch.Tensor, cond: torch.Tensor | None):
+    """-> normed h and the following residual's gate (None without a condition)."""
+    if cond is None:
+        return norm(h), None
+    scale, shift, gate = norm.modulation(cond)
+    return norm(h, scale, shift), gate
+
+
+def _residual(h: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return h + out if gate is None else h + out * gate.to(h.dtype)

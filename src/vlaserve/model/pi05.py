@@ -96,19 +96,18 @@ def euler_times(num_steps: int) -> list[float]:
     return [float(torch.tensor(1.0 + k * dt, dtype=torch.float32)) for k in range(num_steps)]
 
 
-class Pi05Model(nn.Module):
+class PaliGemmaFlowModel(nn.Module):
+    """What Pi0 and Pi0.5 share: the SigLIP + PaliGemma prefix, run once into per-layer K/V, and the
+    Euler loop. A family adds its expert and defines `time_condition` and `velocity`."""
+
+    condition_name = "adarms_cond"  # what `time_condition` returns, as the trace names it
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        e = config.expert
         self.vision = SiglipVision(config.vision)
         self.projector = nn.Linear(config.vision.width, config.vlm.width)
         self.vlm = GemmaPrefixLM(config.vlm)
-        self.expert = GemmaActionExpert(e)
-        self.action_in_proj = nn.Linear(config.max_action_dim, e.width)
-        self.action_out_proj = nn.Linear(e.width, config.max_action_dim)
-        self.time_mlp_in = nn.Linear(e.width, e.width)
-        self.time_mlp_out = nn.Linear(e.width, e.width)
 
     # ---- prefix -------------------------------------------------------------------------
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -136,13 +135,6 @@ class Pi05Model(nn.Module):
         return PrefixContext(kv=kv, pad_mask=pad_mask, num_valid=pad_mask.long().sum(1))
 
     # ---- denoising ----------------------------------------------------------------------
-    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
-        """t [B] float32 -> AdaRMS condition [B, W_expert] (fp32)."""
-        c = self.config
-        emb = sinusoidal_time_embedding(t, self.expert.dims.width, c.time_min_period, c.time_max_period)
-        w = self.time_mlp_in.weight
-        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb.to(w.dtype)))))
-
     def action_attention(self, ctx: PrefixContext, horizon: int):
         """Mask bias and positions of the action tokens: they see every valid prefix token and each other."""
         b = ctx.pad_mask.shape[0]
@@ -151,13 +143,6 @@ class Pi05Model(nn.Module):
              torch.ones(b, horizon, horizon, dtype=torch.bool, device=ctx.pad_mask.device)], dim=2)
         positions = ctx.num_valid[:, None] + torch.arange(horizon, device=ctx.pad_mask.device)
         return attention_bias(allowed), positions
-
-    def velocity(self, x_t: torch.Tensor, cond: torch.Tensor, ctx: PrefixContext, attn=None) -> torch.Tensor:
-        """x_t [B, H, 32] float32 -> velocity [B, H, 32] float32."""
-        bias, positions = attn if attn is not None else self.action_attention(ctx, x_t.shape[1])
-        h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype))
-        out = self.expert(h, cond, ctx.kv, bias, positions)
-        return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
 
     def denoise(self, ctx: PrefixContext, noise: torch.Tensor, num_steps: int,
                 rtc: RTCGuidance | None = None, trace: dict | None = None) -> torch.Tensor:
@@ -170,7 +155,7 @@ class Pi05Model(nn.Module):
             cond = self.time_condition(t_batch)
             v = self.velocity(x, cond, ctx, attn)
             if trace is not None:
-                for name, value in (("x_t", x), ("v_t", v), ("adarms_cond", cond)):
+                for name, value in (("x_t", x), ("v_t", v), (self.condition_name, cond)):
                     trace.setdefault(name, []).append(value)
             if rtc is not None:
                 v = rtc.guide(v, x, t)
@@ -178,6 +163,31 @@ class Pi05Model(nn.Module):
                     trace.setdefault("v_guided", []).append(v)
             x = x + dt * v
         return x
+
+
+class Pi05Model(PaliGemmaFlowModel):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        e = config.expert
+        self.expert = GemmaActionExpert(e)
+        self.action_in_proj = nn.Linear(config.max_action_dim, e.width)
+        self.action_out_proj = nn.Linear(e.width, config.max_action_dim)
+        self.time_mlp_in = nn.Linear(e.width, e.width)
+        self.time_mlp_out = nn.Linear(e.width, e.width)
+
+    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
+        """t [B] float32 -> AdaRMS condition [B, W_expert] (fp32)."""
+        c = self.config
+        emb = sinusoidal_time_embedding(t, self.expert.dims.width, c.time_min_period, c.time_max_period)
+        w = self.time_mlp_in.weight
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb.to(w.dtype)))))
+
+    def velocity(self, x_t: torch.Tensor, cond: torch.Tensor, ctx: PrefixContext, attn=None) -> torch.Tensor:
+        """x_t [B, H, 32] float32 -> velocity [B, H, 32] float32."""
+        bias, positions = attn if attn is not None else self.action_attention(ctx, x_t.shape[1])
+        h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype))
+        out = self.expert(h, cond, ctx.kv, bias, positions)
+        return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
 
     @torch.no_grad()
     def sample(self, images, image_masks, tokens, token_mask, noise, num_steps: int,

@@ -207,7 +207,7 @@ def _statistics(step: Step, checkpoint_dir: Path, key: str) -> dict[str, np.ndar
             if name.startswith(key + ".")}
 
 
-def _feature_normalizer(step: Step, checkpoint_dir: Path, key: str, kind: str) -> Normalizer:
+def feature_normalizer(step: Step, checkpoint_dir: Path, key: str, kind: str) -> Normalizer:
     """The reference's rule: the mode of the feature's type; IDENTITY, or no statistics for the key
     at all, leaves it unchanged; statistics present but incomplete stop the load."""
     mode = (step.config.get("norm_map") or {}).get(kind, "IDENTITY")
@@ -236,7 +236,7 @@ def _state_normalizer(step: Step, checkpoint_dir: Path) -> Normalizer:
     keys = step.config.get("normalize_observation_keys")
     if STATE not in features or (keys is not None and STATE not in keys):
         return Normalizer()  # the reference normalizes only listed features
-    return _feature_normalizer(step, checkpoint_dir, STATE, features[STATE].get("type"))
+    return feature_normalizer(step, checkpoint_dir, STATE, features[STATE].get("type"))
 
 
 def _load_lerobot(checkpoint_dir: Path, config: PolicyConfig) -> ProcessorPipeline:
@@ -256,7 +256,7 @@ def _load_lerobot(checkpoint_dir: Path, config: PolicyConfig) -> ProcessorPipeli
 
     normalization = Normalization(
         state=_state_normalizer(pre["normalizer_processor"], checkpoint_dir),
-        action=_feature_normalizer(post["unnormalizer_processor"], checkpoint_dir, ACTION, "ACTION"),
+        action=feature_normalizer(post["unnormalizer_processor"], checkpoint_dir, ACTION, "ACTION"),
         source="lerobot")
     return ProcessorPipeline(normalization, rename_map, _relative_actions(pre, post, config),
                              tokenizer.config.get("tokenizer_name"), max_length)
