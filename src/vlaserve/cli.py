@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import logging
 import os
 import resource
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
+from . import __version__
 from .checkpoint.files import ReadAhead, read_ahead
 from .config import RuntimeConfig
 from .errors import VlaserveError
 
 log = logging.getLogger("vlaserve")
 
-# The server's own options: name -> (type, default, metavar, help). The runtime's options are
+# The server's own options: name -> (type, default, metavar, help); a bool is a flag (--name, no value). The runtime's options are
 # RuntimeConfig's fields (config.py); both are also the keys of a --config JSON file.
 SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "host": (str, "127.0.0.1", "HOST", "address to bind (0.0.0.0: every interface, for robots on other computers)"),
     "port": (int, 8000, "PORT", "port to bind"),
+    "served_model_name": (str, None, "NAME", "the model name reported in metadata, /healthz and responses "
+                                             "(default: the checkpoint directory's name or hub id)"),
+    "log_requests": (bool, False, None, "log one INFO line per finished request: route, status, milliseconds"),
     "batch_delay_ms": (float, 2.0, "MS", "how long the first request of a batch waits for company"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
@@ -60,6 +67,7 @@ class UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlaserve", description="Serve the Pi0.5 robot policy.")
+    parser.add_argument("--version", action="version", version=f"vlaserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -70,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
     serve.add_argument("--config", metavar="FILE", help="JSON file with any of the options below, plus camera_aliases")
     for name, (kind, default, metavar, text) in SERVE_OPTIONS.items():
+        if kind is bool:
+            serve.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true", help=text)
+            continue
         suffix = "" if default is None else f" (default: {default})"
         serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, metavar=metavar, help=text + suffix)
     serve.set_defaults(run=serve_command)
@@ -109,9 +120,13 @@ def read_config_file(path: str) -> dict:
         name = key.replace("-", "_")
         if name in SERVE_OPTIONS:
             kind = SERVE_OPTIONS[name][0]
-            ok = value is None or isinstance(value, kind) or (kind is float and isinstance(value, int))
-            if not ok or isinstance(value, bool):
-                wanted = {int: "an integer", float: "a number", str: "a string"}[kind]
+            if kind is bool:
+                ok = isinstance(value, bool)
+            else:
+                ok = value is None or isinstance(value, kind) or (kind is float and isinstance(value, int))
+                ok = ok and not isinstance(value, bool)
+            if not ok:
+                wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
                 raise UsageError(f"config file {path}: {key} must be {wanted}")
         elif name == "checkpoint":
             if value is not None and not isinstance(value, str):
@@ -136,6 +151,8 @@ def serve_options(cli: dict) -> dict:
     options.update({k: v for k, v in cli.items() if k in options})
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port {options['port']} is out of range")
+    if options["served_model_name"] is not None and not options["served_model_name"].strip():
+        raise UsageError("served_model_name must not be empty")
     if options["batch_delay_ms"] < 0:
         raise UsageError("batch_delay_ms must not be negative")
     if options["max_payload_mb"] <= 0:
@@ -211,6 +228,11 @@ def serve_command(cli: dict) -> int:
     if "api_key" in cli:
         log.warning("--api-key on the command line is visible to every user in the process list; "
                     "prefer --api-key-file or $%s", API_KEY_ENV)
+    try:
+        check_can_bind(options["host"], options["port"])  # before minutes of loading, not after
+    except UsageError as e:
+        log.error("%s", e)
+        return 2
     read_checkpoint_ahead(options)
 
     import uvicorn
@@ -227,6 +249,8 @@ def serve_command(cli: dict) -> int:
         checkpoint = options["checkpoint"] or demo_checkpoint()
         policy = Policy.from_pretrained(checkpoint, runtime)
         check_camera_aliases(aliases, policy.config.cameras)
+        if options["served_model_name"] is not None:
+            policy.name = options["served_model_name"]
     except (VlaserveError, ValueError, OSError) as e:
         log.error("%s", e)
         return 2
@@ -244,8 +268,9 @@ def serve_command(cli: dict) -> int:
     app = create_app(policy, settings)
     log_startup(policy, options)
     protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]))
+    served = RequestLog(app) if options["log_requests"] else app
     server = DrainingServer(uvicorn.Config(
-        app, host=options["host"], port=options["port"], log_config=None, access_log=False, http=protocol,
+        served, host=options["host"], port=options["port"], log_config=None, access_log=False, http=protocol,
         ws_max_size=max_payload_bytes, timeout_graceful_shutdown=options["drain_timeout_s"],
         # Robots send camera bytes: deflating ~0.5 MB per message costs more latency than it saves.
         ws_per_message_deflate=False), app.state.service.sessions, options["drain_timeout_s"])
@@ -261,6 +286,58 @@ def serve_command(cli: dict) -> int:
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
+
+
+def check_can_bind(host: str, port: int) -> None:
+    """Binds host:port once, the way uvicorn will (SO_REUSEADDR), and lets it go: a port already
+    taken is then reported at once instead of after the weights are loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"cannot bind host {host!r}: {e.strerror}; pass --host (e.g. 127.0.0.1 or 0.0.0.0)") from None
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is already in use (another server?); "
+                             f"pass --port to choose another one") from None
+        raise UsageError(f"cannot bind port {port} on {host}: {e.strerror}; pass --port or --host "
+                         f"to choose another address") from None
+
+
+class RequestLog:
+    """ASGI wrapper for --log-requests: one INFO line per finished HTTP request or websocket session
+    (method, path, status, milliseconds; 101 for an accepted websocket)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.log = logging.getLogger("vlaserve.requests")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), None
+
+        async def send_status(message):
+            nonlocal status
+            kind = message["type"]
+            if kind in ("http.response.start", "websocket.http.response.start"):
+                status = message["status"]
+            elif kind == "websocket.accept":
+                status = 101
+            elif kind == "websocket.close" and status is None:
+                status = 403  # closed before the handshake: uvicorn answers 403
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            method = scope.get("method", "WS")
+            self.log.info("%s %s %s %.1f ms", method, scope.get("path", ""), status if status is not None else "-",
+                          (time.perf_counter() - start) * 1e3)
 
 
 def read_checkpoint_ahead(options: dict) -> ReadAhead | None:
@@ -294,8 +371,18 @@ def log_startup(policy, options: dict) -> None:
              t["weights_loader"], t["engine_s"])
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
-    log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s",
-             host, options["port"], host, options["port"], " with an API key" if options["api_key"] else "")
+    log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s%s",
+             host, options["port"], host, options["port"], " with an API key" if options["api_key"] else "",
+             reachability(options["host"]))
+
+
+def reachability(host: str) -> str:
+    """How a robot on another computer reaches the server, for the startup line."""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return " (local only: pass --host 0.0.0.0 so robots on other computers can connect)"
+    if host in ("0.0.0.0", "::", ""):
+        return " on every interface (robots connect to this computer's IP address or name)"
+    return ""
 
 
 def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tokenizer: str | None = None) -> dict:

@@ -1,0 +1,129 @@
+"""`vlaserve` command-line options: --version, a taken port (exit 2 before loading), --served-model-name,
+--log-requests, and the startup line that says how robots on other computers connect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import vlaserve
+from vlaserve.cli import RequestLog, UsageError, build_parser, check_can_bind, reachability, serve_options
+
+from test_server_cli import run_serve
+
+
+def options(argv: list[str]) -> dict:
+    return serve_options(vars(build_parser().parse_args(["serve", *argv])))
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "vlaserve.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"vlaserve {vlaserve.__version__}"
+
+
+def test_new_server_options_from_command_line_and_config(tmp_path):
+    assert options([])["served_model_name"] is None and options([])["log_requests"] is False
+    assert options(["--served-model-name", "arm-7", "--log-requests"])["served_model_name"] == "arm-7"
+    assert options(["--log-requests"])["log_requests"] is True
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"log-requests": True, "served_model_name": "arm-8"}))
+    merged = options(["--config", str(config)])
+    assert merged["log_requests"] is True and merged["served_model_name"] == "arm-8"
+    config.write_text('{"log_requests": "yes"}')
+    with pytest.raises(UsageError, match="log_requests must be true or false"):
+        options(["--config", str(config)])
+    config.write_text('{"port": true}')
+    with pytest.raises(UsageError, match="port must be an integer"):
+        options(["--config", str(config)])
+    with pytest.raises(UsageError, match="served_model_name must not be empty"):
+        options(["--served-model-name", " "])
+
+
+def listening_socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_taken_port_exits_2_before_loading(tmp_path):
+    with listening_socket() as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"port {port} .*already in use.*--port"):
+            check_can_bind("127.0.0.1", port)
+        result = run_serve(["--port", str(port), "--device", "cpu"], tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"port {port}" in errors[0] and "--port" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert "loaded in" not in result.stderr and "DEMO" not in result.stderr  # failed before loading weights
+
+
+def test_free_port_binds_and_is_released():
+    with listening_socket() as s:
+        port = s.getsockname()[1]
+    check_can_bind("127.0.0.1", port)
+    check_can_bind("127.0.0.1", port)  # the check itself let go of the port
+
+
+def test_reachability_in_the_startup_line():
+    assert "local only: pass --host 0.0.0.0 so robots on other computers can connect" in reachability("127.0.0.1")
+    assert "local only" in reachability("localhost")
+    assert "on every interface" in reachability("0.0.0.0")
+    assert reachability("192.168.1.5") == ""
+
+
+def test_request_log_middleware(caplog):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        pass
+
+    async def receive():
+        return {"type": "http.request"}
+
+    with caplog.at_level(logging.INFO, logger="vlaserve.requests"):
+        asyncio.run(RequestLog(app)({"type": "http", "method": "GET", "path": "/nope"}, receive, send))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vlaserve.requests"]
+    assert len(lines) == 1 and lines[0].startswith("GET /nope 404 ") and lines[0].endswith(" ms")
+
+
+def test_served_model_name_and_request_log_end_to_end(tmp_path):
+    with listening_socket() as s:
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "VLASERVE_CACHE": str(tmp_path)}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", "serve", "--port", str(port), "--device",
+                                   "cpu", "--served-model-name", "arm-7", "--log-requests"],
+                                  stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            health = None
+            for _ in range(600):
+                assert server.poll() is None, log_path.read_text()
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                        health = json.loads(r.read())
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            assert health is not None and health["model"] == "arm-7"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata", timeout=5) as r:
+                assert json.loads(r.read())["model"] == "arm-7"
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    log = log_path.read_text()
+    assert "local only: pass --host 0.0.0.0" in log
+    assert any("GET /healthz 200" in line and line.endswith(" ms") for line in log.splitlines()), log
