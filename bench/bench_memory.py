@@ -46,13 +46,12 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_gpu import time_cuda  # noqa: E402
-from vlaserve import Policy  # noqa: E402
-from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
-from vlaserve.errors import InsufficientMemory  # noqa: E402
-from vlaserve.memory import GIB, PROFILES, check_fit, cuda_budget  # noqa: E402
-from vlaserve.policy import ModelInputs  # noqa: E402
-from vlaserve.processing.normalize import Normalization, QuantileNormalizer  # noqa: E402
 from vlaserve.checkpoint.weights import build_model, load_weights, random_model, to_lerobot_name  # noqa: E402
+from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
+from vlaserve.errors import InsufficientMemory  # noqa: E402
+from vlaserve.runtime.memory import GIB, check_fit, cuda_budget  # noqa: E402
+from vlaserve.runtime.runner import Runtime  # noqa: E402
+from vlaserve.types import ModelInputs  # noqa: E402
 
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 TOKENS, VALID_TOKENS, STEPS = 200, 70, 10
@@ -74,15 +73,13 @@ def policy_config() -> PolicyConfig:
     return PolicyConfig(ModelConfig.full_size(), CAMERAS, state_dim=14, action_dim=14, max_token_len=TOKENS)
 
 
-def make_policy(profile, fast_path: bool = True) -> Policy:
-    """A full-size random policy, placed and engined as `profile` says (what from_pretrained does after loading)."""
+def make_policy(profile, fast_path: bool = True) -> Runtime:
+    """A full-size random model's runtime, placed and engined as `profile` says (what from_pretrained
+    does after loading)."""
     config = policy_config()
     model = random_model(config.model, torch.bfloat16, "cuda", seed=0)
-    q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
-    policy = Policy(model, config, Normalization(q, q, "bench"), tokenizer=None, device=torch.device("cuda"),
-                    dtype=torch.bfloat16)
-    policy.use_memory_profile(profile, fast_path=fast_path)
-    return policy
+    settings = RuntimeConfig(device="cuda", memory_profile=profile.name, fast_path=fast_path)
+    return Runtime(model, config, settings, torch.device("cuda"), torch.bfloat16, "bench")
 
 
 def compare_actions() -> dict:
@@ -96,7 +93,7 @@ def compare_actions() -> dict:
     for name, (profile, fast_path) in runs.items():
         policy = make_policy(PROFILES[profile], fast_path=fast_path)
         with torch.no_grad():
-            actions[name] = policy._sample(inputs, noise, STEPS, None)[0].float().cpu()
+            actions[name] = policy.runner.sample(inputs, noise, STEPS, None)[0].float().cpu()
         del policy
         release()
     report = {}
@@ -120,9 +117,9 @@ def make_inputs(b: int, vocab: int, seed: int):
     return ModelInputs(images, masks, tokens, token_mask), torch.randn(b, 50, 32, device="cuda", generator=g)
 
 
-def run_parts(policy: Policy, parts: list) -> None:
+def run_parts(policy: Runtime, parts: list) -> None:
     for inputs, noise in parts:
-        policy._sample(inputs, noise, STEPS, None)
+        policy.runner.sample(inputs, noise, STEPS, None)
 
 
 def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dict:
@@ -254,7 +251,7 @@ print(json.dumps({"import_s": imported - t0, "from_pretrained_s": loaded - impor
                   "read_ahead_s": reader.seconds if ahead and reader else None,
                   "first_infer_s": first - loaded, "time_to_first_action_s": first - imported,
                   "process_to_first_action_s": first - t0, "second_action_ms": (second - first) * 1e3,
-                  "fast_path": policy.engine is not None}))
+                  "fast_path": policy.metadata["fast_path"]}))
 """
 
 
