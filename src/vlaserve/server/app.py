@@ -40,8 +40,9 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
             # Runs after uvicorn has finished the in-flight requests; the batcher drains what's left.
             await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="vlaserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
+    _serve_docs_offline(app)
     app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
 
     # Added last, so outermost: origins are checked before CORS headers are added or routes run.
@@ -179,3 +180,23 @@ def _request_body_doc() -> dict:
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
     }
+
+
+def _serve_docs_offline(app: FastAPI) -> None:
+    """/docs from the Swagger UI files the swagger-ui-bundle package ships: robot LANs are often
+    air-gapped, and FastAPI's default page loads its scripts from a CDN."""
+    import swagger_ui_bundle
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="vlaserve",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
+DOCS_ASSETS = "/docs-assets"
