@@ -39,7 +39,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import threading

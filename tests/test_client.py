@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +46,7 @@ def test_infer_sends_a_generation_request_and_returns_the_chunk(server):
 
 def test_url_forms_pick_the_protocol_path(server):
     assert Client(f"127.0.0.1:{server.port}").url == f"ws://127.0.0.1:{server.port}/v1/actions/realtime"
-    assert Client(f"http://h:1", protocol="openpi").url == "ws://h:1/openpi/policy"
+    assert Client("http://h:1", protocol="openpi").url == "ws://h:1/openpi/policy"
     assert Client("wss://h/custom/path").url == "wss://h/custom/path"
     with pytest.raises(ValueError, match="unknown protocol"):
         Client("h:1", protocol="grpc")

@@ -20,6 +20,7 @@ from vlaserve.types import Observation, Request
 from vlaserve.server import ServerSettings, create_app
 from vlaserve.server.codec import MAX_NESTING_DEPTH, DecodeError, loads_json, packb, unpackb
 from vlaserve.server.logs import RepeatLimit
+from vlaserve.processing.layouts import KeyLayout
 from vlaserve.server.openpi import request_from_openpi
 from vlaserve.server.schema import ApiError, parse_generation
 
@@ -27,9 +28,11 @@ METADATA = {"model": "m", "checkpoint": "/c", "cameras": ["base_0_rgb", "left_wr
             "action_horizon": 50, "max_action_dim": 32, "action_dim": 14}
 
 
+LAYOUT = KeyLayout(tuple(METADATA["cameras"]))
+
+
 class _FakeService:  # what request_from_openpi reads
-    metadata = METADATA
-    settings = ServerSettings()
+    layout = LAYOUT
 
 
 # ---- fuzz: the HTTP and websocket decoders -----------------------------------------------------
@@ -51,7 +54,7 @@ def _http_pipeline(payload: bytes, fmt: str) -> None:
     except DecodeError:
         return
     try:
-        parse_generation(body, METADATA, ServerSettings().camera_aliases, msgpack_response=fmt == "msgpack")
+        parse_generation(body, METADATA, LAYOUT, msgpack_response=fmt == "msgpack")
     except ApiError as e:
         assert 400 <= e.status < 500
 
@@ -148,7 +151,7 @@ def test_rows_1_5_6_out_of_range_values_are_refused_before_any_work(mutate, fiel
     body = _body()
     mutate(body)
     with pytest.raises(ApiError) as refused:
-        parse_generation(body, METADATA, ServerSettings().camera_aliases, msgpack_response=True)
+        parse_generation(body, METADATA, LAYOUT, msgpack_response=True)
     assert (refused.value.status, refused.value.field) == (422, field)
 
 

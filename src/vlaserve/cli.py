@@ -48,11 +48,12 @@ SERVE_RUNTIME_DEFAULTS = {"warmup": "background"}
 
 
 def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
-    kinds = {int: int, str: str, "int": int, "str": str, "str | None": str, "tuple[int, ...]": str}
     out = {}
     for f in RuntimeConfig.options():
         default = SERVE_RUNTIME_DEFAULTS.get(f.name, f.default)
-        out[f.name] = (kinds[f.type], ",".join(map(str, default)) if isinstance(default, tuple) else default,
+        # Counts are integers on the command line; the rest are text (prompt buckets "48,96").
+        kind = int if isinstance(default, int) else str
+        out[f.name] = (kind, ",".join(map(str, default)) if isinstance(default, tuple) else default,
                        f.metadata["metavar"], f.metadata["help"])
     return out
 

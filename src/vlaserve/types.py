@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidObservation, InvalidRequest
+from .processing.images import bytes_to_model_range
 
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
@@ -199,8 +200,6 @@ class ModelInputs:
 
     def to(self, device) -> "ModelInputs":
         """Moves to `device`; uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
-        from .processing.images import bytes_to_model_range
-
         images = self.images.to(device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = bytes_to_model_range(images)

@@ -8,9 +8,9 @@ import time
 from collections.abc import Mapping
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI, WebSocketException
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from .protocol import (AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
+from .protocol import (RETRYABLE, refused_key, retry_delay, AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
                        backoff_delays, parse_metadata, protocol_named, websocket_url)
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,8 @@ class AsyncClient:
                 return await self._open()
             except AuthenticationError:
                 raise
-            except (OSError, TimeoutError, WebSocketException) as e:
-                if isinstance(e, InvalidURI):
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"cannot connect to {self.url} within {s.reconnect_timeout:g} s: "
-                                          f"{type(e).__name__}: {e}") from e
-                log.info("connect to %s failed (%s); retrying in %.2f s", self.url, e, delay)
-                await asyncio.sleep(delay)
+            except (*RETRYABLE, WebSocketException) as e:
+                await asyncio.sleep(retry_delay(e, delay, deadline, self.url, s.reconnect_timeout))
 
     async def _open(self) -> dict:
         s = self.settings
@@ -58,9 +52,7 @@ class AsyncClient:
             ws = await connect(self.url, additional_headers=auth_headers(s.api_key), open_timeout=s.connect_timeout,
                                max_size=s.max_frame_bytes, compression=None)
         except InvalidStatus as e:
-            if e.response.status_code == 401:
-                raise AuthenticationError(f"{self.url} refused the API key (HTTP 401)") from None
-            raise
+            raise refused_key(e, self.url) from None
         try:
             self._metadata = parse_metadata(await asyncio.wait_for(ws.recv(), s.connect_timeout))
         except BaseException:

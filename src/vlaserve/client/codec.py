@@ -1,9 +1,9 @@
 """msgpack with OpenPI's ndarray encoding, the one wire format of both websocket protocols.
 
 An ndarray travels as {b"__ndarray__": True, b"data": raw bytes, b"dtype": dtype.str, b"shape": [...]}
-(openpi-client's msgpack_numpy). This copy exists so that a robot can import the client without the
-server's dependencies; like the server, it builds arrays from raw bytes only (never pickle) and
-accepts numeric dtypes only.
+(openpi-client's msgpack_numpy). The server encodes with this module's `packb` too; it decodes with
+its own bounded decoder (server/codec.py: nesting, duplicate keys, budgets), while this one reads the
+server's replies. Both build arrays from raw bytes only (never pickle), numeric dtypes only.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ Nothing here does I/O, so `sync.py` and `aio.py` differ only in how they move fr
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -14,6 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from .codec import packb, unpackb
+
+log = logging.getLogger(__name__)
 
 
 # ---- errors ---------------------------------------------------------------------------------------
@@ -176,3 +180,28 @@ class ConnectionSettings:
         for name in ("timeout", "connect_timeout", "reconnect_timeout", "backoff_initial", "backoff_max"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+# What a failed connection attempt may raise and still be worth retrying (a refused or dropped socket).
+RETRYABLE = (OSError, TimeoutError)
+
+
+def retry_delay(error: Exception, delay: float, deadline: float, url: str, reconnect_timeout: float) -> float:
+    """The wait before the next connection attempt; raises instead when `error` is not worth a retry
+    (a bad URL) or the next attempt would start past `deadline` (time.monotonic)."""
+    from websockets.exceptions import InvalidURI
+
+    if isinstance(error, InvalidURI):
+        raise error
+    if time.monotonic() + delay > deadline:
+        raise ConnectionError(f"cannot connect to {url} within {reconnect_timeout:g} s: "
+                              f"{type(error).__name__}: {error}") from error
+    log.info("connect to %s failed (%s); retrying in %.2f s", url, error, delay)
+    return delay
+
+
+def refused_key(error: Exception, url: str) -> Exception:
+    """The handshake's error as the client reports it: a 401 is an AuthenticationError (never retried)."""
+    if getattr(getattr(error, "response", None), "status_code", None) == 401:
+        return AuthenticationError(f"{url} refused the API key (HTTP 401)")
+    return error

@@ -7,10 +7,10 @@ import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 
-from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI, WebSocketException
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from .protocol import (AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
+from .protocol import (RETRYABLE, refused_key, retry_delay, AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
                        backoff_delays, parse_metadata, protocol_named, websocket_url)
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,8 @@ class Client:
                 return self._open()
             except AuthenticationError:
                 raise
-            except (OSError, TimeoutError, WebSocketException) as e:
-                if isinstance(e, InvalidURI):
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"cannot connect to {self.url} within {s.reconnect_timeout:g} s: "
-                                          f"{type(e).__name__}: {e}") from e
-                log.info("connect to %s failed (%s); retrying in %.2f s", self.url, e, delay)
-                time.sleep(delay)
+            except (*RETRYABLE, WebSocketException) as e:
+                time.sleep(retry_delay(e, delay, deadline, self.url, s.reconnect_timeout))
 
     def _open(self) -> dict:
         s = self.settings
@@ -70,9 +64,7 @@ class Client:
                                              open_timeout=s.connect_timeout, max_size=s.max_frame_bytes,
                                              compression=None))
         except InvalidStatus as e:
-            if e.response.status_code == 401:
-                raise AuthenticationError(f"{self.url} refused the API key (HTTP 401)") from None
-            raise
+            raise refused_key(e, self.url) from None
         with stack:  # closes the socket if the metadata frame does not come
             self._metadata = parse_metadata(ws.recv(timeout=s.connect_timeout))
             self._ws, self._exit = ws, stack.pop_all()

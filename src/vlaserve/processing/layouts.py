@@ -176,14 +176,3 @@ def _droid_state(parts: dict) -> np.ndarray:
         if arrays[-1].ndim != 1:
             raise InvalidObservation(key, f"expected a vector, got shape {list(arrays[-1].shape)}")
     return np.concatenate(arrays)
-
-
-def canonical_observation(raw: Mapping, cameras: tuple[str, ...], aliases: Mapping[str, str | None],
-                          rename_map: Mapping[str, str] | None = None) -> dict:
-    return KeyLayout(cameras, aliases, rename_map).canonical(raw)
-
-
-def resolve_camera(key: str, name: str | None, cameras: tuple[str, ...],
-                   aliases: Mapping[str, str | None]) -> str | None:
-    """The camera `key` feeds (None: ignored); for request schemas that name cameras directly."""
-    return KeyLayout(cameras, aliases).camera_for(key, name)

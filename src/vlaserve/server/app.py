@@ -74,7 +74,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "model": service.metadata["model"], "is_demo": service.metadata["is_demo"]}
+        return {"status": "ok", "model": service.identity["model"], "is_demo": service.identity["is_demo"]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -19,6 +19,8 @@ import math
 import msgpack
 import numpy as np
 
+from ..client.codec import packb  # noqa: F401  (encoding is the one wire format both sides share)
+
 JSON_MEDIA_TYPE = "application/json"
 MSGPACK_MEDIA_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 # Maps and lists inside maps and lists. A request body needs 7 (body.input.observation.images.cam
@@ -155,21 +157,6 @@ def unpackb(data: bytes, max_containers: int | None = None):
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise DecodeError(f"invalid msgpack: {e}") from None
     return bounded(obj)
-
-
-def _encode_extension(obj):
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.kind not in _NUMERIC_KINDS:
-            raise TypeError(f"cannot encode an array of dtype {obj.dtype}")
-        return {b"__ndarray__": True, b"data": np.ascontiguousarray(obj).tobytes(),
-                b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"cannot encode {type(obj).__name__}")
-
-
-def packb(obj) -> bytes:
-    return msgpack.packb(obj, default=_encode_extension)
 
 
 _JSON = json.JSONDecoder(object_pairs_hook=_unique_map)

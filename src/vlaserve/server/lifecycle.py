@@ -11,7 +11,6 @@ closed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import uvicorn

@@ -16,7 +16,6 @@ import time
 from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
-from ..processing.layouts import canonical_observation
 from ..types import Observation, Request
 from .bodies import decode
 from .codec import packb
@@ -33,9 +32,7 @@ def request_from_openpi(raw, service: Service) -> Request:
     if not isinstance(raw, dict):
         raise invalid(None, "an observation must be a map of observation keys to values")
     try:
-        metadata = service.metadata
-        canonical = canonical_observation(raw, tuple(metadata["cameras"]), service.settings.camera_aliases,
-                                          metadata.get("rename_map"))
+        canonical = service.layout.canonical(raw)
         if "state" not in canonical:
             raise invalid("state", "missing: send the robot state as 'state' or 'observation/state'")
         if "task" not in canonical:

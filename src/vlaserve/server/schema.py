@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidInput, InvalidObservation
-from ..processing.layouts import canonical_observation
+from ..processing.layouts import KeyLayout
 from ..types import MAX_INFERENCE_STEPS, RTC_SCHEDULES, Observation, Request, RtcOptions
 
 class ApiError(Exception):
@@ -110,7 +110,8 @@ class Generation:
     response_format: str = "envelope"
 
 
-def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_response: bool) -> Generation:
+def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: bool) -> Generation:
+    """`identity`: the served model's name and checkpoint; `layout`: the server's key table."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be an object")
     try:
@@ -119,8 +120,8 @@ def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_resp
         error = e.errors()[0]
         raise invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"]) from None
 
-    if parsed.model is not None and parsed.model not in (metadata["model"], metadata["checkpoint"]):
-        raise invalid("model", f"this server serves {metadata['model']!r}, not {parsed.model!r}")
+    if parsed.model is not None and parsed.model not in (identity["model"], identity["checkpoint"]):
+        raise invalid("model", f"this server serves {identity['model']!r}, not {parsed.model!r}")
     inp, obs_in = parsed.input, parsed.input.observation
     if (inp.task is None) == (inp.prompt is None):
         raise invalid("input.task", "give exactly one of input.task and input.prompt")
@@ -130,8 +131,7 @@ def parse_generation(body, metadata: dict, aliases: dict[str, str], msgpack_resp
         raise invalid("runtime.output_format", "numpy output needs a msgpack response "
                                                "(Accept: application/msgpack)")
     try:
-        canonical = canonical_observation({"images": obs_in.images}, tuple(metadata["cameras"]), aliases,
-                                          metadata.get("rename_map"))
+        canonical = layout.canonical({"images": obs_in.images})
         observation = Observation.create(canonical["images"], obs_in.state,
                                          inp.task if inp.task is not None else inp.prompt, obs_in.images_normalized)
         rtc = None if parsed.rtc is None else RtcOptions.create(parsed.rtc.model_dump())

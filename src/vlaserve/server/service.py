@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, NonFiniteActions
 from ..processing.images import MAX_IMAGE_SIDE
-from ..processing.layouts import camera_aliases
+from ..processing.layouts import KeyLayout, camera_aliases
 from ..runtime.batcher import Batcher, BatcherClosed
 from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
 from .codec import MAX_NESTING_DEPTH
@@ -53,6 +53,10 @@ class Service:
     def __init__(self, policy, settings: ServerSettings):
         self.policy = policy
         self.settings = settings
+        # What the hot path reads, fixed at startup (the live metadata is built per metadata request).
+        m = policy.metadata
+        self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"]}
+        self.layout = KeyLayout(tuple(m["cameras"]), settings.camera_aliases, m["rename_map"])
         self.metrics = Metrics(settings.max_batch_size)
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
@@ -141,7 +145,7 @@ class Service:
     async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:
         """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
         the timings so far (decode, queue, model stages)."""
-        generation = parse_generation(body, self.metadata, self.settings.camera_aliases, msgpack_response)
+        generation = parse_generation(body, self.identity, self.layout, msgpack_response)
         timings = {"decode_ms": ms_since(started)}
         result = await self.infer(generation.request, in_request_body=True)
         timings["queue_ms"] = result.timings["queue_ms"]
@@ -164,7 +168,7 @@ class Service:
             "id": f"actgen-{uuid.uuid4().hex}",
             "object": "action.generation",
             "created": int(time.time()),
-            "model": self.metadata["model"],
+            "model": self.identity["model"],
             "data": [{"index": 0, "action": {"values": values, "shape": list(actions.shape),
                                              "dtype": str(actions.dtype)}}],
         }
