@@ -126,3 +126,19 @@ def test_close_drains_queued_requests_then_refuses_new_ones(golden_policy):
     results = asyncio.run(scenario())
     assert len(results) == 5 and all(r.actions.shape == (50, 14) for r in results)
     assert sum(len(tasks) for tasks, _ in gated.batches) == 5
+
+
+def test_continuous_batching_runs_a_lone_request_at_once_and_queued_ones_together(golden_policy):
+    """Default batch delay 0: the first request starts alone (no waiting for company); the two that
+    arrive while it runs form the next batch the moment it finishes."""
+    gated = GatedPolicy(golden_policy)
+    batcher = Batcher(gated, max_batch_size=8)
+    requests = [{"obs": observation(i), "seed": i, "num_steps": 1} for i in range(3)]
+    try:
+        results = asyncio.run(_submit_while_gated(batcher, gated, requests))
+    finally:
+        batcher.close()
+    assert [tasks for tasks, _ in gated.batches] == [["task 0"], ["task 1", "task 2"]]
+    for request, result in zip(requests, results):
+        expected = golden_policy.infer(request["obs"], seed=request["seed"], num_steps=1)
+        np.testing.assert_allclose(result.actions, expected.actions, rtol=0, atol=ATOL)

@@ -25,7 +25,7 @@ def test_defaults_then_config_file_then_command_line(tmp_path):
     assert merged["port"] == 9100  # the command line wins
     assert (merged["max_batch_size"], merged["dtype"], merged["checkpoint"]) == (4, "float32", "a/b")
     assert merged["camera_aliases"] == {"observation.images.top": "base_0_rgb"}
-    assert merged["host"] == "127.0.0.1" and merged["batch_delay_ms"] == 2.0
+    assert merged["host"] == "127.0.0.1" and merged["batch_delay_ms"] == 0.0  # continuous batching by default
     assert options(["ckpt", "--config", str(config)])["checkpoint"] == "ckpt"
 
 

@@ -30,7 +30,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "served_model_name": (str, None, "NAME", "the model name reported in metadata, /healthz and responses "
                                              "(default: the checkpoint directory's name or hub id)"),
     "log_requests": (bool, False, None, "log one INFO line per finished request: route, status, milliseconds"),
-    "batch_delay_ms": (float, 2.0, "MS", "how long the first request of a batch waits for company"),
+    "batch_delay_ms": (float, 0.0, "MS", "extra wait of a batch for company (0: a request runs as soon as the device "
+                                         "is free, with everything queued meanwhile)"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),

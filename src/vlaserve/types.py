@@ -178,6 +178,7 @@ class Request:
     rtc: RtcOptions | None = None
     prepared: PreparedObservation | None = None  # set once, by Policy.prepare
     created_at: float = field(default_factory=time.perf_counter)
+    client: object = None  # who sent it (a connection), so the batcher can expect the client's next request
 
     @staticmethod
     def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None) -> "Request":

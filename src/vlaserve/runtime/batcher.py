@@ -1,8 +1,10 @@
 """Dynamic batching in front of a Policy: Requests in, InferenceResults out.
 
 One worker thread owns the policy (and so the device); asyncio handlers only enqueue and await.
-Requests that arrive within `batch_delay_ms` of the first one share a single `infer_batch` call,
-which is where a GPU gets its throughput: a batch of 8 costs far less than 8 calls.
+Continuous batching: when the device is idle a request runs at once; requests that arrive while a
+batch runs wait in the queue, and the moment it finishes everything queued (up to the batch limit,
+one step count) runs together. A batch of 8 costs far less than 8 calls. `batch_delay_ms` (default 0)
+is an optional extra wait for company after the first request of a batch.
 """
 
 from __future__ import annotations
@@ -41,10 +43,52 @@ class _Pending:
 
 
 _STOP = object()
+# How long a batch may wait for a client that is about to send its next request (its reply just went
+# out and it usually answers within its think time): without it, two robots back to back ping-pong at
+# batch size 1, each waiting out the other's whole batch. Only clients measured to come back that
+# soon are waited for, so a paced robot never adds this wait.
+COMPANY_WAIT_S = 0.005
+
+
+class ReturningClients:
+    """Each client's think time (reply sent -> next request), smoothed, and which clients are due back
+    within COMPANY_WAIT_S. Clients are connections (Request.client); None is not tracked."""
+
+    FORGET_S = 10.0  # a client silent this long has gone away
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._answered: dict = {}  # client -> when its last reply went out (not back since)
+        self._think: dict = {}  # client -> smoothed think time, seconds
+
+    def arrived(self, client, now: float) -> None:
+        if client is None:
+            return
+        with self._lock:
+            answered = self._answered.pop(client, None)
+            if answered is not None:
+                think = now - answered
+                previous = self._think.get(client)
+                self._think[client] = think if previous is None else 0.5 * previous + 0.5 * think
+
+    def answered(self, clients, now: float) -> None:
+        with self._lock:
+            for client in clients:
+                if client is not None:
+                    self._answered[client] = now
+
+    def due(self, now: float) -> int:
+        """Clients not back yet whose think time says they will be within COMPANY_WAIT_S."""
+        with self._lock:
+            for client in [c for c, t in self._answered.items() if now - t > self.FORGET_S]:
+                del self._answered[client]
+                self._think.pop(client, None)
+            return sum(1 for c, t in self._answered.items()
+                       if c in self._think and t + self._think[c] <= now + COMPANY_WAIT_S)
 
 
 class Batcher:
-    def __init__(self, policy, max_batch_size: int = 8, batch_delay_ms: float = 2.0,
+    def __init__(self, policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
                  on_batch: Callable[[int], None] | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -54,6 +98,7 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.batch_delay_s = batch_delay_ms / 1000.0
         self.on_batch = on_batch
+        self.clients = ReturningClients()
         self._queue: queue.Queue = queue.Queue()
         # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
         self._lock = threading.Lock()
@@ -65,6 +110,7 @@ class Batcher:
         """Runs one request; the result's `timings` gains `queue_ms`."""
         loop = asyncio.get_running_loop()
         request = _Pending(request, loop, loop.create_future())
+        self.clients.arrived(request.request.client, request.enqueued_at)
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the server is shutting down")
@@ -93,10 +139,17 @@ class Batcher:
                 if request is not _STOP and request.num_steps == first.num_steps:
                     held.remove(request)
                     batch.append(request)
-            deadline = time.perf_counter() + self.batch_delay_s
+            started = time.perf_counter()
+            deadline = started + self.batch_delay_s
+            company_deadline = started + COMPANY_WAIT_S
             while len(batch) < self.max_batch_size:
+                now = time.perf_counter()
+                # Everything queued now; then wait only for the extra delay, or for clients due back.
+                wait = max(0.0, deadline - now)
+                if not wait and self.clients.due(now):
+                    wait = max(0.0, company_deadline - now)
                 try:
-                    request = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                    request = self._queue.get(timeout=wait)
                 except queue.Empty:
                     break
                 if request is not _STOP and request.num_steps == first.num_steps:
@@ -126,6 +179,7 @@ class Batcher:
                 log.exception("inference failed")
             _resolve(batch[0], error=error)
             return
+        self.clients.answered([p.request.client for p in batch], time.perf_counter())
         for request, result in zip(batch, results):
             result.timings["queue_ms"] = (started - request.enqueued_at) * 1000.0
             if np.isfinite(result.actions).all():

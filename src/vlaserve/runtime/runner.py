@@ -81,6 +81,7 @@ class Runtime:
             self.offload = LayerOffload(model, device)
         self.runner: Runner = EagerRunner(model, device)
         self.fast_path = False
+        self.graph_bytes = 0  # device memory the fast path's buffers and graphs took at warm-up
         self.state = "ready"  # "warming_up" while a background warm-up runs; "ready" once the runner is final
         # The profile bounds the cache (one entry is a whole prefix's K/V: ~18 MB at full size).
         entries = min(runtime.prefix_cache, runtime.profile.prefix_cache_entries)
@@ -97,7 +98,7 @@ class Runtime:
         fast = FastRunner(model, self.config, max_graph_batch=self.settings.profile.max_graph_batch,
                           device_lock=self.device_lock, layer_stream=self.offload)
         if not background:
-            fast.warmup((1,), self.config.num_inference_steps)
+            self._warm_up(fast)
             self.runner, self.fast_path = fast, True
             return
         self.state = "warming_up"
@@ -106,7 +107,7 @@ class Runtime:
     def _warm_up_then_switch(self, fast) -> None:
         started = time.perf_counter()
         try:
-            fast.warmup((1,), self.config.num_inference_steps)
+            self._warm_up(fast)
         except Exception:
             log.exception("fast path warm-up failed; serving continues with the eager model")
             self.state = "ready"
@@ -114,6 +115,16 @@ class Runtime:
         self.runner, self.fast_path, self.state = fast, True, "ready"
         log.info("fast path ready after %.1f s of background warm-up (kernels compiled, graphs captured)",
                  time.perf_counter() - started)
+
+    def _warm_up(self, fast) -> None:
+        """Every graph the server will replay, captured before it is ready: batch sizes 1..the batch
+        limit, each camera layout, the checkpoint's step count, with and without RTC."""
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        fast.warmup(range(1, self.settings.batch_limit + 1), self.config.num_inference_steps)
+        self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("fast path: %d CUDA graphs captured for batches 1..%d in %.1f s, %.2f GiB of device memory",
+                 fast.captures, self.settings.batch_limit, time.perf_counter() - started, self.graph_bytes / 2**30)
 
     def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
             rtc: RTCGuidance | None) -> tuple[np.ndarray, dict[str, float]]:
@@ -135,5 +146,8 @@ class Runtime:
             return actions.float().cpu().numpy(), stages
 
     def stats(self) -> dict:
+        runner = self.runner
         return {"state": self.state, "fast_path": self.fast_path,
+                "graph_captures": getattr(runner, "captures", 0), "uncaptured_calls": getattr(runner, "uncaptured_calls", 0),
+                "graph_bytes": self.graph_bytes,
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}

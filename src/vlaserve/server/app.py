@@ -73,8 +73,13 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                             status_code=422)
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok", "model": service.identity["model"], "is_demo": service.identity["is_demo"]}
+    async def healthz() -> JSONResponse:
+        # 503 "starting" until the runtime serves with its final runner (graphs captured); load
+        # balancers and Ray take a replica into rotation on the 200.
+        ready = service.policy.runtime.state == "ready"
+        body = {"status": "ok" if ready else "starting", "model": service.identity["model"],
+                "is_demo": service.identity["is_demo"]}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -93,7 +98,8 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
         body = await decode(payload, fmt, service.workers)
         msgpack_response = accepts_msgpack(request.headers.get("accept"))
-        generation, result, timings = await service.generate(body, started, msgpack_response)
+        generation, result, timings = await service.generate(body, started, msgpack_response,
+                                                             client=_connection(request))
         reply = service.reply(generation, result, timings, started)
         if msgpack_response:
             return Response(packb(reply), media_type=MSGPACK)
@@ -110,7 +116,8 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                     if frame is None:
                         raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
                     body = await decode(frame, "msgpack", service.workers)
-                    generation, result, timings = await service.generate(body, started, msgpack_response=True)
+                    generation, result, timings = await service.generate(body, started, msgpack_response=True,
+                                                                         client=id(websocket))
                     reply, status = service.reply(generation, result, timings, started), 200
                 except ApiError as error:
                     reply, status = error.body(), error.status
@@ -180,6 +187,11 @@ def _request_body_doc() -> dict:
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
     }
+
+
+def _connection(request: Request) -> tuple | None:
+    """A keep-alive HTTP connection (client address and port): one robot's requests, one after another."""
+    return None if request.client is None else (request.client.host, request.client.port)
 
 
 def _serve_docs_offline(app: FastAPI) -> None:

@@ -25,6 +25,16 @@ class Metrics:
         self.in_flight = Gauge("vlaserve_inferences_in_flight", "Observations queued or running",
                                registry=self.registry)
 
+    def watch_runtime(self, stats) -> None:
+        """Gauges read from the runtime at each scrape: graphs captured (flat after ready) and calls that
+        ran without a graph because their shape was not captured (another step count, a prompt bucket)."""
+        for key, text in (("graph_captures", "CUDA graphs captured (all at startup; flat once ready)"),
+                          ("uncaptured_calls", "Calls served without a CUDA graph (shape not captured at startup)")):
+            gauge = Gauge(f"vlaserve_{key}", text, registry=self.registry)
+            gauge.set_function(lambda key=key: stats()[key])
+        ready = Gauge("vlaserve_ready", "1 once the runtime serves with its final runner", registry=self.registry)
+        ready.set_function(lambda: float(stats()["state"] == "ready"))
+
     def observe_stages(self, timings_ms: dict[str, float]) -> None:
         for stage in STAGES:
             if f"{stage}_ms" in timings_ms:

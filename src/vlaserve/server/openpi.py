@@ -55,6 +55,7 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
                     raise ApiError(400, "invalid_frame", "send observations as msgpack binary frames")
                 raw = await decode(frame, "msgpack", service.workers)
                 request = request_from_openpi(raw, service)
+                request.client = id(websocket)
                 decode_ms = ms_since(started)
                 submitted = time.perf_counter()
                 result = await service.infer(request, in_request_body=False)

@@ -29,7 +29,7 @@ class ServerSettings:
     api_key: str | None = None
     max_payload_bytes: int = 64 * 2**20
     max_batch_size: int = 8
-    batch_delay_ms: float = 2.0
+    batch_delay_ms: float = 0.0
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
     body_timeout_s: float = 60.0
     allowed_origins: tuple[str, ...] = ()  # browser origins that may call; "*" for any
@@ -58,6 +58,7 @@ class Service:
         self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"]}
         self.layout = KeyLayout(tuple(m["cameras"]), settings.camera_aliases, m["rename_map"])
         self.metrics = Metrics(settings.max_batch_size)
+        self.metrics.watch_runtime(policy.runtime.stats)
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
         self.sessions = Sessions()
@@ -142,10 +143,12 @@ class Service:
         except Exception:  # the batcher logged it, with its traceback
             raise ApiError(500, "internal_error", "inference failed; see the server log") from None
 
-    async def generate(self, body, started: float, msgpack_response: bool) -> tuple[Generation, object, dict]:
+    async def generate(self, body, started: float, msgpack_response: bool,
+                       client: object = None) -> tuple[Generation, object, dict]:
         """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
-        the timings so far (decode, queue, model stages)."""
+        the timings so far (decode, queue, model stages). `client`: the connection it came on."""
         generation = parse_generation(body, self.identity, self.layout, msgpack_response)
+        generation.request.client = client
         timings = {"decode_ms": ms_since(started)}
         result = await self.infer(generation.request, in_request_body=True)
         timings["queue_ms"] = result.timings["queue_ms"]

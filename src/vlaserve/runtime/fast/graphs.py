@@ -61,6 +61,11 @@ class FastRunner:
         self._buffers: dict[tuple, dict] = {}
         self._rtc: dict[tuple, StaticRTC] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
+        # After `capture_all`, nothing is captured on the request path: a shape outside the captured
+        # set runs the same kernels without a graph, and is counted.
+        self.frozen = False
+        self.captures = 0
+        self.uncaptured_calls = 0
         self._denoise_graphs: dict[tuple, _Graph] = {}
 
     def buffers(self, b: int, token_len: int) -> dict:
@@ -71,7 +76,11 @@ class FastRunner:
 
     def _graphed(self, graphs: dict, key: tuple, fn):
         if key not in graphs:
+            if self.frozen:
+                self.uncaptured_calls += 1
+                return fn()
             graphs[key] = _Graph(fn, self._pool, self._capture_stream, self._device_lock)
+            self.captures += 1
         return graphs[key].replay()
 
     def _prefix(self, buf, vision_slots: int, graphs: bool):
@@ -152,8 +161,17 @@ class FastRunner:
                            buf["pad"][i].clone())
 
     def warmup(self, batch_sizes=(1,), num_steps: int = 10) -> None:
-        """Compiles the kernels and captures graphs ahead of the first request."""
+        """Compiles the kernels and captures the graphs of every batch size in `batch_sizes`, every
+        camera layout (how many leading slots are present), with and without RTC; then freezes."""
+        cameras, horizon, width = len(self.config.cameras), self.config.action_horizon, self.config.model.max_action_dim
         for b in batch_sizes:
             buf = self.buffers(b, self.config.max_token_len)
-            inputs = ModelInputs(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"])
-            self.sample(inputs, torch.randn_like(buf["noise"]), num_steps, None)
+            noise = torch.randn_like(buf["noise"])
+            for slots in range(cameras, 0, -1):
+                masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
+                inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"])
+                self.sample(inputs, noise, num_steps, None)
+            rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
+                              torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
+            self.sample(inputs, noise, num_steps, rtc)
+        self.frozen = True

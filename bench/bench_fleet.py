@@ -1,0 +1,267 @@
+"""A fleet of robots against one `vlaserve serve`, as the robots see it.
+
+Each robot runs the unmodified openpi-client over its own websocket, with its own observation (3 uint8
+224x224 cameras, LeRobot keys) and its own fixed noise, so every answer is checkable: its reference
+answer is taken alone first, then every answer under load is compared with it (and counted as crossed
+when it lies closer to another robot's reference). Levels: N robots back to back, and paced at --hz.
+
+    python bench/bench_fleet.py [--device cuda] [--robots 1,2,4,8,16,32] [--hz 4] [--seconds 8]
+                                [--checkpoint DIR] [--serve-args "..."] [--out DIR]
+
+Reports per level: throughput, p50/p90/p99/max latency, the batch-size histogram and graph counters
+from /metrics (captures after ready must stay flat), errors and crossed answers; and, from the same
+run, the device time at batch 1 and the server's own share around it (the OpenPI socket's
+prev_total_ms, frame received -> reply sent, minus the device time). JSON + PNG in bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bench_serve import free_port, log  # noqa: E402
+from fixtures import fixture_dir  # noqa: E402
+
+CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+# Batched and single answers of one robot differ by bf16 rounding (~1e-2 at full size); different robots'
+# answers differ by ~1 and more. An answer further than this from its own reference is wrong.
+WRONG_ANSWER = 0.25
+
+
+def robot_observation(robot: int, state_dim: int, horizon: int, max_action_dim: int) -> dict:
+    rng = np.random.default_rng(1000 + robot)
+    obs = {f"observation.images.{c}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in CAMERAS}
+    obs["observation.state"] = rng.uniform(-1, 1, state_dim).astype(np.float32)
+    obs["prompt"] = f"robot {robot}: pick up the red block"
+    obs["noise"] = rng.standard_normal((horizon, max_action_dim)).astype(np.float32)
+    return obs
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    out = {"batch_size_count": {}}
+    for name in ("vlaserve_graph_captures", "vlaserve_uncaptured_calls"):
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else None
+    for le, count in re.findall(r'^vlaserve_batch_size_bucket\{le="([0-9.]+)"\} ([0-9.e+]+)$', text, re.M):
+        out["batch_size_count"][le] = float(count)
+    return out
+
+
+def batch_histogram(before: dict, after: dict) -> dict:
+    """Batches per size in a level (the histogram's buckets are cumulative: le=1, le=2, ...)."""
+    cumulative = {float(k): after["batch_size_count"][k] - before["batch_size_count"].get(k, 0.0)
+                  for k in after["batch_size_count"]}
+    sizes = sorted(cumulative)
+    out, previous = {}, 0.0
+    for size in sizes:
+        if size == int(size):
+            out[int(size)] = int(cumulative[size] - previous)
+            previous = cumulative[size]
+    return {k: v for k, v in out.items() if v}
+
+
+def run_level(port: int, observations: list[dict], references: list[np.ndarray], seconds: float, hz: float) -> dict:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    n = len(observations)
+    latencies: list[list[float]] = [[] for _ in range(n)]
+    server_totals: list[float] = []
+    errors, wrong, crossed = [0], [0], [0]
+    start_barrier = threading.Barrier(n)
+    lock = threading.Lock()
+
+    def robot(i: int) -> None:
+        client = WebsocketClientPolicy("127.0.0.1", port)
+        client.infer(observations[i])  # connect and warm this socket before timing
+        start_barrier.wait()
+        started = time.perf_counter()
+        tick = 0
+        while time.perf_counter() - started < seconds:
+            if hz:
+                next_at = started + tick / hz
+                tick += 1
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            t0 = time.perf_counter()
+            try:
+                out = client.infer(observations[i])
+            except Exception:  # noqa: BLE001 - counted, the level goes on
+                with lock:
+                    errors[0] += 1
+                continue
+            latencies[i].append((time.perf_counter() - t0) * 1e3)
+            deltas = [float(np.abs(out["actions"] - ref).max()) for ref in references]
+            with lock:
+                if deltas[i] > WRONG_ANSWER:
+                    wrong[0] += 1
+                if int(np.argmin(deltas)) != i:
+                    crossed[0] += 1
+                if "prev_total_ms" in out.get("server_timing", {}):
+                    server_totals.append(out["server_timing"]["prev_total_ms"])
+
+    threads = [threading.Thread(target=robot, args=(i,)) for i in range(n)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - began
+    flat = [x for per in latencies for x in per]
+    return {"robots": n, "hz": hz, "answers": len(flat), "obs_per_s": len(flat) / max(seconds, 1e-9),
+            "wall_s": elapsed, "p50_ms": percentile(flat, 0.5), "p90_ms": percentile(flat, 0.9),
+            "p99_ms": percentile(flat, 0.99), "max_ms": max(flat), "errors": errors[0], "wrong": wrong[0],
+            "crossed": crossed[0], "server_total_p50_ms": statistics.median(server_totals) if server_totals else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--checkpoint", default=None, help="default: a full-size random checkpoint (cuda) or the golden one")
+    ap.add_argument("--robots", default="1,2,4,8,16,32")
+    ap.add_argument("--hz", default="4", help="paced levels at this rate per robot (comma list; 0: none)")
+    ap.add_argument("--paced-robots", default="8,16")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--serve-args", default="--max-batch-size 8")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+
+    template = fixture_dir("pi05_golden") / "checkpoint"
+    results: dict = {"device": args.device, "serve_args": args.serve_args, "seconds": args.seconds}
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint is None and args.device == "cuda":
+        checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
+    if checkpoint is None:
+        checkpoint = template
+    elif not checkpoint.exists():
+        import torch
+
+        from bench_memory import write_checkpoint
+        from vlaserve.config import ModelConfig
+
+        checkpoint.mkdir(parents=True)
+        write_checkpoint(checkpoint, template, ModelConfig.full_size(), args.device)
+        torch.cuda.empty_cache()
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "vlaserve.cli", "serve", str(checkpoint), "--device", args.device,
+               "--port", str(port), "--warmup", "blocking", *args.serve_args.split()]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = time.perf_counter()
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError("server exited:\n" + server.stdout.read()[-4000:])
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        results["ready_s"] = time.perf_counter() - started
+        meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
+        results["metadata"] = {k: meta.get(k) for k in ("dtype", "device", "fast_path", "graph_captures", "graph_bytes",
+                                                       "max_batch_size")}
+        log("ready after", round(results["ready_s"], 1), "s:", results["metadata"])
+        dims = (meta["state_dim"], meta["action_horizon"], meta["max_action_dim"])
+        most = max(int(n) for n in args.robots.split(",") + args.paced_robots.split(","))
+        observations = [robot_observation(i, *dims) for i in range(most)]
+
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+        alone = WebsocketClientPolicy("127.0.0.1", port)
+        references, device_ms, totals = [], [], []
+        for obs in observations:  # each robot's answer alone: the reference
+            references.append(alone.infer(obs)["actions"])
+        for _ in range(30):  # device time and server share at batch 1, same run
+            out = alone.infer(observations[0])
+            device_ms.append(out["policy_timing"]["device_ms"])
+            if "prev_total_ms" in out["server_timing"]:
+                totals.append(out["server_timing"]["prev_total_ms"])
+        results["batch1"] = {"device_p50_ms": statistics.median(device_ms),
+                             "server_total_p50_ms": statistics.median(totals),
+                             "server_share_p50_ms": statistics.median(totals) - statistics.median(device_ms)}
+        spread = min(float(np.abs(a - b).max()) for i, a in enumerate(references) for b in references[i + 1:])
+        results["min_distance_between_robots"] = spread
+        log("batch 1:", results["batch1"], "robots differ by >=", round(spread, 3))
+        after_ready = scrape(port)
+        results["captures_at_ready"] = after_ready["vlaserve_graph_captures"]
+
+        levels = [(int(n), 0.0) for n in args.robots.split(",")]
+        levels += [(int(n), float(hz)) for hz in args.hz.split(",") if float(hz) for n in args.paced_robots.split(",")]
+        results["levels"] = []
+        for n, hz in levels:
+            before = scrape(port)
+            level = run_level(port, observations[:n], references[:n], args.seconds, hz)
+            after = scrape(port)
+            level["batches"] = batch_histogram(before, after)
+            level["captures_during"] = after["vlaserve_graph_captures"] - before["vlaserve_graph_captures"]
+            level["uncaptured_during"] = after["vlaserve_uncaptured_calls"] - before["vlaserve_uncaptured_calls"]
+            results["levels"].append(level)
+            log(f"{n:3d} robots {'back to back' if not hz else f'at {hz:g} Hz':>12}: {level['obs_per_s']:.1f} obs/s, "
+                f"p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} max {level['max_ms']:.1f} ms, batches "
+                f"{level['batches']}, errors {level['errors']}, wrong {level['wrong']}, crossed {level['crossed']}, "
+                f"captures {level['captures_during']}, uncaptured {level['uncaptured_during']}")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        results["server_log_tail"] = "\n".join(line for line in server.stdout.read().splitlines()
+                                               if "loading weights" not in line)[-3000:]
+    stem = f"bench_fleet{'_' + args.label if args.label else ''}"
+    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    plot(results, [d for d in (ROOT / "bench" / "results", Path(args.out) if args.out else None) if d], stem)
+
+
+def plot(results: dict, dirs: list[Path], stem: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    back = [lv for lv in results["levels"] if not lv["hz"]]
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4))
+    robots = [lv["robots"] for lv in back]
+    for key in ("p50_ms", "p99_ms", "max_ms"):
+        lat.plot(robots, [lv[key] for lv in back], marker="o", label=key.replace("_ms", ""))
+    lat.set(xscale="log", yscale="log", xlabel="robots (back to back)", ylabel="latency (ms)")
+    lat.legend()
+    thr.plot(robots, [lv["obs_per_s"] for lv in back], marker="o")
+    thr.set(xscale="log", xlabel="robots (back to back)", ylabel="observations / s")
+    fig.suptitle(f"vlaserve fleet, {results['device']}, openpi-client")
+    for d in dirs:
+        fig.savefig(d / f"{stem}.png", dpi=110, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()
