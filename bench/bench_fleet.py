@@ -98,10 +98,13 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
         client.infer(observations[i])  # connect and warm this socket before timing
         start_barrier.wait()
         started = time.perf_counter()
+        # Paced robots run at their own phase (fixed per robot), as a fleet does: in lockstep they
+        # would all send on the same tick and measure the batch, not the fleet.
+        phase = np.random.default_rng(i).uniform(0, 1 / hz) if hz else 0.0
         tick = 0
         while time.perf_counter() - started < seconds:
             if hz:
-                next_at = started + tick / hz
+                next_at = started + phase + tick / hz
                 tick += 1
                 delay = next_at - time.perf_counter()
                 if delay > 0:

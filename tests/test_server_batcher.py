@@ -142,3 +142,20 @@ def test_continuous_batching_runs_a_lone_request_at_once_and_queued_ones_togethe
     for request, result in zip(requests, results):
         expected = golden_policy.infer(request["obs"], seed=request["seed"], num_steps=1)
         np.testing.assert_allclose(result.actions, expected.actions, rtol=0, atol=ATOL)
+
+
+def test_only_clients_due_back_are_waited_for():
+    """A client that came back 1 ms after each reply is expected again right after its next reply;
+    one that is long overdue (idle, or gone) is not."""
+    from vlaserve.runtime.batcher import COMPANY_WAIT_S, ReturningClients
+
+    clients = ReturningClients()
+    clients.answered(["robot"], 0.0)
+    clients.arrived("robot", 0.001)  # think time 1 ms
+    clients.answered(["robot"], 1.0)
+    assert clients.due(1.0) == 1  # due back at 1.001, within the wait
+    assert clients.due(1.0 + 10 * COMPANY_WAIT_S) == 0  # overdue: not about to send
+    clients.arrived("robot", 1.001)
+    assert clients.due(1.001) == 0  # back: nothing to wait for
+    clients.answered([None, "new"], 2.0)  # untracked and never-measured clients are never waited for
+    assert clients.due(2.0) == 0

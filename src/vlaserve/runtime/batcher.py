@@ -78,13 +78,14 @@ class ReturningClients:
                     self._answered[client] = now
 
     def due(self, now: float) -> int:
-        """Clients not back yet whose think time says they will be within COMPANY_WAIT_S."""
+        """Clients not back yet whose think time says they return within COMPANY_WAIT_S of now; one
+        already overdue by more than that is idle (or gone), not about to send."""
         with self._lock:
             for client in [c for c, t in self._answered.items() if now - t > self.FORGET_S]:
                 del self._answered[client]
                 self._think.pop(client, None)
             return sum(1 for c, t in self._answered.items()
-                       if c in self._think and t + self._think[c] <= now + COMPANY_WAIT_S)
+                       if c in self._think and abs(t + self._think[c] - now) <= COMPANY_WAIT_S)
 
 
 class Batcher:
