@@ -30,18 +30,25 @@ class BufferSpec:
     layers: int
     head_dim: int  # K/V per token and layer (one KV head)
     kv_dtype: torch.dtype
+    state_dim: int = 0  # Pi0: the state token's input (one more context token after the prefix); 0: none
 
     @staticmethod
-    def of(config: PolicyConfig, batch: int, kv_dtype: torch.dtype, token_len: int | None = None) -> "BufferSpec":
+    def of(config: PolicyConfig, batch: int, kv_dtype: torch.dtype, token_len: int | None = None,
+           state_dim: int = 0) -> "BufferSpec":
         m = config.model
         token_len = config.max_token_len if token_len is None else token_len
         return BufferSpec(batch, len(config.cameras), m.vision.image_size, token_len,
                           len(config.cameras) * m.vision.num_patches + token_len, config.action_horizon,
-                          m.max_action_dim, m.vlm.depth, m.vlm.num_kv_heads * m.vlm.head_dim, kv_dtype)
+                          m.max_action_dim, m.vlm.depth, m.vlm.num_kv_heads * m.vlm.head_dim, kv_dtype, state_dim)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the action tokens attend to besides themselves: the prefix, and Pi0's state token."""
+        return self.prefix_len + (1 if self.state_dim else 0)
 
     @property
     def cache_len(self) -> int:
-        return -(-(self.prefix_len + self.horizon) // KV_TILE) * KV_TILE
+        return -(-(self.context_len + self.horizon) // KV_TILE) * KV_TILE
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         b = self.batch
@@ -53,7 +60,8 @@ class BufferSpec:
             "noise": ((b, self.horizon, self.max_action_dim), torch.float32),
             "k_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
             "v_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
-            "pad": ((b, self.prefix_len), torch.bool),
+            "pad": ((b, self.context_len), torch.bool),
+            **({"state": ((b, self.state_dim), torch.float32)} if self.state_dim else {}),
         }
 
     def nbytes(self) -> int:

@@ -18,7 +18,8 @@ from ...model.pi05 import Pi05Model, RTCGuidance
 from ...types import ModelInputs
 from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
-from .model import FastPi05, StaticRTC
+from .model import StaticRTC
+from .pi0 import FastPi0, fast_model
 
 
 class _Graph:
@@ -42,7 +43,7 @@ class _Graph:
 
 
 class FastRunner:
-    """Runs batches through FastPi05: fused weights, Triton kernels, CUDA graphs (`use_graphs`).
+    """Runs batches through the fast path (FastPi05, or FastPi0): fused weights, Triton kernels, CUDA graphs.
 
     With a `layer_stream` (offload) the prefix runs the same kernels outside graphs, as its weights
     arrive layer by layer; the Euler steps stay in graphs.
@@ -50,7 +51,8 @@ class FastRunner:
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  max_graph_batch: int | None = None, device_lock=None, layer_stream=None):
-        self.fast = FastPi05(model, use_triton=use_triton, layer_stream=layer_stream)
+        self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream)
+        self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = model.action_in_proj.weight.device
         self.use_graphs = use_graphs
@@ -70,7 +72,7 @@ class FastRunner:
 
     def buffers(self, b: int, token_len: int) -> dict:
         if (b, token_len) not in self._buffers:
-            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len)
+            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
             self._buffers[(b, token_len)] = spec.allocate(self.device)
         return self._buffers[(b, token_len)]
 
@@ -87,6 +89,8 @@ class FastRunner:
         def run():
             pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
                                    buf["k_cache"], buf["v_cache"], vision_slots)
+            if self.state_dim:  # Pi0: the state token's K/V, once per call, after the prefix
+                pad = self.fast.state_token(buf["state"], pad, buf["k_cache"], buf["v_cache"])
             buf["pad"].copy_(pad)
             return buf["pad"]
 
@@ -115,8 +119,11 @@ class FastRunner:
         self._rtc[key].fill(rtc, self.fast.schedule(num_steps).times)
         return self._rtc[key]
 
+    def _prefix_len(self, buf) -> int:
+        return buf["pad"].shape[1] - (1 if self.state_dim else 0)
+
     def restore_prefix(self, buf, entries: list[PrefixEntry]) -> None:
-        plen = buf["pad"].shape[1]
+        plen = self._prefix_len(buf)
         for i, e in enumerate(entries):
             buf["k_cache"][:, i, :plen] = e.k
             buf["v_cache"][:, i, :plen] = e.v
@@ -138,12 +145,19 @@ class FastRunner:
         if prefix is None:
             for name in ("images", "image_masks", "tokens", "token_mask"):
                 buf[name].copy_(getattr(inputs, name))
+            if self.state_dim:
+                buf["state"].copy_(inputs.state)
         buf["noise"].copy_(noise)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
         if prefix is not None:
             self.restore_prefix(buf, prefix)
+            if self.state_dim:  # the cache holds the prefix only: Pi0's state token is this call's
+                buf["state"].copy_(inputs.state)
+                plen = self._prefix_len(buf)
+                buf["pad"].copy_(self.fast.state_token(buf["state"], buf["pad"][:, :plen], buf["k_cache"],
+                                                       buf["v_cache"]))
         else:
             self._prefix(buf, vision_slots, graphs)
         mid.record()
@@ -156,7 +170,7 @@ class FastRunner:
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
         buf = self._last
-        plen = buf["pad"].shape[1]
+        plen = self._prefix_len(buf)
         return PrefixEntry(buf["k_cache"][:, i, :plen].clone(), buf["v_cache"][:, i, :plen].clone(),
                            buf["pad"][i].clone())
 

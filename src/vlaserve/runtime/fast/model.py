@@ -195,14 +195,16 @@ class FastPi05:
         return bias, cos, sin
 
     def velocity(self, x, step: int, sched: TimeSchedule, geometry, k_cache, v_cache, plen: int):
-        m, dims = self.model, self.expert_dims
-        b, horizon, _ = x.shape
+        m = self.model
         h = F.linear(x, m.action_in_proj.weight, m.action_in_proj.bias).to(self.dtype)
-        if self.use_triton and kernels.supported(dims):
-            out = self._expert_triton(h, step, sched, geometry, k_cache, v_cache, plen)
-        else:
-            out = self._expert_torch(h, step, sched, geometry, k_cache, v_cache, plen)
+        out = self.expert_step(h, step, sched, geometry, k_cache, v_cache, plen)
         return F.linear(out.float(), m.action_out_proj.weight, m.action_out_proj.bias)
+
+    def expert_step(self, h, step: int, sched, geometry, k_cache, v_cache, plen: int):
+        """The expert over the action tokens h [B, H, W] at one step; final-normed hidden state out."""
+        if self.use_triton and kernels.supported(self.expert_dims):
+            return self._expert_triton(h, step, sched, geometry, k_cache, v_cache, plen)
+        return self._expert_torch(h, step, sched, geometry, k_cache, v_cache, plen)
 
     def _expert_torch(self, h, step, sched, geometry, k_cache, v_cache, plen):
         dims = self.expert_dims
