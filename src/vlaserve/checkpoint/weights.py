@@ -226,14 +226,11 @@ def _read_runai(by_file: dict[Path, list[str]]):
         yield from streamer.get_tensors()
 
 
-def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
-                 progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
-    """Fills `model` (built on the meta device) from safetensors, strictly.
-
-    Every name and shape is checked against the headers before any data is read. Tensors then
-    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are cast
-    and moved, so no full-precision copy of the model ever sits in host memory.
-    """
+def check_weights(model: nn.Module, checkpoint_dir: Path,
+                  layout: WeightLayout = PI05_LAYOUT) -> dict[str, tuple[Path, str]]:
+    """Checks every name and shape of `model` (any device, meta included) against the checkpoint's
+    safetensors headers, no data read: missing, unexpected and wrong-shaped tensors are named in
+    one CheckpointError. -> our name -> (file, key) of each tensor to load."""
     expected = {n: p for n, p in model.named_parameters()}
     sources, shapes = _scan_headers(checkpoint_dir, layout)
     unexpected = [key for ours, (_, key) in sources.items() if ours not in expected]
@@ -251,6 +248,18 @@ def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, dev
     if wrong_shape:
         raise CheckpointError(f"{checkpoint_dir}: tensors of the wrong shape: " + "; ".join(wrong_shape[:12]))
 
+    return sources
+
+
+def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
+                 progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
+    """Fills `model` (built on the meta device) from safetensors, strictly.
+
+    Every name and shape is checked against the headers (`check_weights`) before any data is read. Tensors then
+    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are cast
+    and moved, so no full-precision copy of the model ever sits in host memory.
+    """
+    sources = check_weights(model, checkpoint_dir, layout)
     by_file: dict[Path, list[str]] = {}
     ours_of: dict[str, str] = {}
     for ours, (path, key) in sources.items():
