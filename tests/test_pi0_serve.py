@@ -23,7 +23,7 @@ import websockets.sync.client as ws_client
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from test_server import (ATOL, CAMERAS, GENERATIONS, MSGPACK, ServerProcess, make_noise, make_observation,
-                         request_body)
+                         openpi_observation, request_body)
 
 from conftest import fixture_dir
 from vlaserve import Policy
@@ -67,10 +67,7 @@ def test_openpi_client_gets_pi0_metadata_and_the_python_apis_actions(pi0_server,
     for seed in (1, 2):
         obs = make_observation(seed, cameras=("base_0_rgb", "left_wrist_0_rgb"))
         noise = make_noise(seed)
-        out = client.infer({"observation/image": obs["images"]["base_0_rgb"],
-                            "observation/wrist_image": obs["images"]["left_wrist_0_rgb"],
-                            "observation/state": obs["state"].astype(np.float64), "prompt": obs["task"],
-                            "noise": noise})
+        out = client.infer(openpi_observation(obs, noise))
         assert out["actions"].shape == (50, 14)
         _assert_close(out["actions"], pi0_policy.infer(obs, noise=noise).actions)
 
@@ -108,24 +105,7 @@ def test_realtime_websocket(pi0_server, pi0_policy):
         _assert_close(_actions(msgpack_numpy.unpackb(ws.recv())), pi0_policy.infer(obs, noise=noise).actions)
 
 
-# ---- the DEMO ---------------------------------------------------------------------------------
-def test_serve_demo_pi0_offline(tmp_path):
-    env = {"VLASERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    proc = ServerProcess(["--demo", "pi0", "--device", "cpu"], tmp_path / "log", env=env)
-    try:
-        proc.wait_ready()
-        assert httpx.get(proc.url + "/healthz").json()["is_demo"] is True
-        meta = httpx.get(proc.url + "/v1/actions/metadata").json()
-        assert (meta["policy_type"], meta["is_demo"], meta["model"]) == ("pi0", True, "demo-pi0-v1")
-        response = httpx.post(proc.url + GENERATIONS, json=request_body(make_observation(1, size=(32, 32)),
-                                                                       lists=True, parameters={"seed": 1}))
-        assert response.status_code == 200, response.text
-        assert _actions(response.json()).shape == (50, 14)
-    finally:
-        assert proc.stop() == 0
-    assert "DEMO MODEL" in proc.log() and "(pi0, DEMO)" in proc.log()
-
-
+# ---- the DEMO (`vlaserve serve --demo pi0`: tests/test_demo.py) ---------------------------------
 def test_pi0_demo_mirrors_the_pi0_golden_checkpoint_formats(tmp_path):
     from vlaserve.demo import demo_checkpoint
 
