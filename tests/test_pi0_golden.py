@@ -214,3 +214,17 @@ def test_pi0_processor_steps_are_strict(policy, tmp_path, edit, message):
     directory = _edited_processor(tmp_path, edit)
     with pytest.raises(CheckpointError, match=message):
         ProcessorPipeline.load(directory, policy.config)
+
+
+# ---- runtime -------------------------------------------------------------------------------
+
+
+def test_pi0_on_cuda_is_served_by_the_eager_runner_and_says_so(policy, caplog):
+    # FastRunner implements Pi0.5's math only; building the Runtime touches no CUDA API, so this runs anywhere.
+    from vlaserve.config import RuntimeConfig
+    from vlaserve.runtime.runner import EagerRunner, Runtime
+
+    runtime = Runtime(policy.model, policy.config, RuntimeConfig(device="cuda"), torch.device("cuda"),
+                      torch.float32, "rev")
+    assert isinstance(runtime.runner, EagerRunner) and runtime.fast_path is False and runtime.state == "ready"
+    assert "no CUDA fast path for Pi0Model yet: serving with the eager model" in caplog.text
