@@ -228,3 +228,14 @@ def test_pi0_on_cuda_is_served_by_the_eager_runner_and_says_so(policy, caplog):
                       torch.float32, "rev")
     assert isinstance(runtime.runner, EagerRunner) and runtime.fast_path is False and runtime.state == "ready"
     assert "no CUDA fast path for Pi0Model yet: serving with the eager model" in caplog.text
+
+
+def test_pi0_serves_in_bfloat16_with_its_fp32_set():
+    # CUDA serves bfloat16 by default. bfloat16 keeps 8 mantissa bits (relative rounding 4e-3), so over
+    # ~10 layers and 10 steps the actions move by a few 1e-3 here (measured 4.9e-3); 5e-2 only catches
+    # a wrong dtype path (a crash, NaN, an unconverted state token), not the float32 bugs above.
+    bf16 = Policy.from_pretrained(GOLDEN / "checkpoint", device="cpu", dtype="bfloat16", progress=False)
+    case = GoldenCase.load(GOLDEN / "cases" / "three_cams_224")
+    actions = bf16.infer(case.observations()[0], noise=case.tensors["input.noise"][0]).actions
+    assert np.abs(actions - case.tensors["expected.actions"][0]).max() < 5e-2
+    assert bf16.model.state_proj.weight.dtype == torch.float32
