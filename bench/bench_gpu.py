@@ -187,6 +187,7 @@ def policy_wall_time(model, engine) -> dict:
     from vlaserve.processing.pipeline import ProcessorPipeline
     from vlaserve.processing.prepare import Preprocessor
     from vlaserve.processing.prompt import PromptTokenizer
+    from vlaserve.family import PI05
     from vlaserve.runtime.runner import Runtime
 
     golden = Path(GOLDEN) / "checkpoint" / "tokenizer" / "tokenizer.json"
@@ -196,7 +197,7 @@ def policy_wall_time(model, engine) -> dict:
                       torch.bfloat16, "bench")
     runtime.runner, runtime.fast_path = engine, True
     policy = Policy(cfg, Preprocessor(cfg, ProcessorPipeline(Normalization(q, q, "bench")),
-                                      PromptTokenizer.from_path(golden)),
+                                      PromptTokenizer.from_path(golden), PI05),
                     runtime, "bench", "bench", {})
     rng = np.random.default_rng(0)
     obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cfg.cameras},

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_gpu import log, maxdiff, per_item_max, time_cuda  # noqa: E402
 from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.model.pi0 import Pi0Model  # noqa: E402
-from vlaserve.model.pi0_keys import PI0_LAYOUT  # noqa: E402
+from vlaserve.checkpoint.weights import PI0_LAYOUT  # noqa: E402
 from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 
 CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS, STATE = 3, 48, 20, 50, 10, 32

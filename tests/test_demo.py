@@ -13,7 +13,7 @@ from test_server import GENERATIONS, ServerProcess, make_observation, request_bo
 from tokenizers import Tokenizer
 
 from vlaserve import Policy
-from vlaserve.demo import DEMO_NAME, demo_checkpoint
+from vlaserve.demo import DEMO_NAME, DEMO_NAMES, demo_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +93,21 @@ def test_loads_and_is_labelled_a_demo(demo):
     assert result.actions.shape == (50, 14) and np.isfinite(result.actions).all()
 
 
-def test_serve_without_a_checkpoint_runs_the_demo_offline(tmp_path):
+@pytest.mark.parametrize("args, policy_type", [([], "pi05"), (["--demo", "pi0"], "pi0")], ids=["default", "pi0"])
+def test_serve_without_a_checkpoint_runs_the_demo_offline(tmp_path, args, policy_type):
     env = {"VLASERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    proc = ServerProcess(["--device", "cpu", "--dtype", "float32"], tmp_path / "log", env=env)
+    proc = ServerProcess([*args, "--device", "cpu", "--dtype", "float32"], tmp_path / "log", env=env)
     try:
         proc.wait_ready()
         assert httpx.get(proc.url + "/healthz").json()["is_demo"] is True
-        assert httpx.get(proc.url + "/v1/actions/metadata").json()["is_demo"] is True
+        meta = httpx.get(proc.url + "/v1/actions/metadata").json()
+        assert (meta["is_demo"], meta["policy_type"], meta["model"]) == (True, policy_type, DEMO_NAMES[policy_type])
         obs = make_observation(1, size=(32, 32))
         response = httpx.post(proc.url + GENERATIONS, json=request_body(obs, lists=True, parameters={"seed": 1}))
         assert response.status_code == 200, response.text
         assert np.asarray(response.json()["data"][0]["action"]["values"]).shape == (50, 14)
     finally:
         assert proc.stop() == 0
-    assert "DEMO MODEL" in proc.log()
-    assert (tmp_path / "cache" / DEMO_NAME / "model.safetensors").exists()
+    assert "DEMO MODEL" in proc.log() and f"({policy_type}, DEMO)" in proc.log()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [DEMO_NAMES[policy_type]]
+    assert (tmp_path / "cache" / DEMO_NAMES[policy_type] / "model.safetensors").exists()

@@ -2,13 +2,12 @@
 golden case: the plain-RMSNorm expert as a constant AdaRMS schedule, the state token's K/V computed
 once into the static cache after the prefix, RTC with per-step guidance weights."""
 
-import numpy as np
 import pytest
 import torch
 
 from fixtures import fixture_dir
 from vlaserve.golden import GoldenCase, case_dirs
-from vlaserve.pi0_golden import Pi0Parts
+from vlaserve import Policy
 from vlaserve.runtime.fast.buffers import BufferSpec
 from vlaserve.runtime.fast.model import StaticRTC
 from vlaserve.runtime.fast.pi0 import FastPi0, fast_model
@@ -18,41 +17,37 @@ CASES = case_dirs(GOLDEN)
 
 
 @pytest.fixture(scope="module")
-def parts():
-    parts = Pi0Parts.load(GOLDEN / "checkpoint")
-    return parts, fast_model(parts.model, use_triton=False)
+def pi0():
+    policy = Policy.from_pretrained(GOLDEN / "checkpoint", device="cpu", dtype="float32", progress=False)
+    return policy, fast_model(policy.model, use_triton=False)
 
 
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
-def test_fast_pi0_math_matches_the_reference(parts, case_dir):
-    parts, fast = parts
+def test_fast_pi0_math_matches_the_reference(pi0, case_dir):
+    policy, fast = pi0
     assert isinstance(fast, FastPi0)
     case = GoldenCase.load(case_dir)
-    prepared = [parts.prepare(o) for o in case.observations()]
-    images = torch.stack([p["images"] for p in prepared])
-    masks = torch.stack([p["image_mask"] for p in prepared])
-    tokens = torch.from_numpy(np.stack([p["tokens"].ids for p in prepared]))
-    token_mask = torch.from_numpy(np.stack([p["tokens"].mask for p in prepared]))
-    state = torch.from_numpy(np.stack([p["state"] for p in prepared]))
-    b, n = masks.shape
-    model = parts.model
-    plen = n * model.vision.dims.num_patches + tokens.shape[1]
+    rtcs = case.rtcs() or [None] * case.meta["batch_size"]
+    inputs, _, guidance = policy.preprocessor.collate([policy.request(o, rtc=r)
+                                                       for o, r in zip(case.observations(), rtcs)])
+    b, n = inputs.image_masks.shape
+    model = policy.model
+    plen = n * model.vision.dims.num_patches + inputs.tokens.shape[1]
     k = torch.zeros(len(model.vlm.layers), b, -(-(plen + 1 + 50) // 64) * 64, model.vlm.dims.head_dim)
     v = torch.zeros_like(k)
-    present = masks.any(0).tolist()
+    present = inputs.image_masks.any(0).tolist()
     slots = len(present) - present[::-1].index(True)
     sched = fast.schedule(case.meta["num_steps"])
     rtc = None
-    guidance = parts.rtc(case.rtcs(), b)
     if guidance is not None:
         rtc = StaticRTC.allocate(b, 50, 32, len(sched.times), "cpu")
         rtc.fill(guidance, sched.times)
     with torch.no_grad():
-        pad = fast.prefix(images, masks, tokens, token_mask, k, v, slots)
-        context = fast.state_token(torch.nn.functional.pad(state, (0, 32 - state.shape[1])), pad, k, v)
+        pad = fast.prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, k, v, slots)
+        context = fast.state_token(inputs.state, pad, k, v)
         actions = fast.denoise(context, torch.from_numpy(case.tensors["input.noise"]), sched, k, v, rtc)
     expected = torch.from_numpy(case.tensors["expected.actions_model"])
-    # Same float32 function, other summation orders (fused GEMMs, SDPA): ~1e-6; bugs move it >= 5e-4.
+    # Same float32 function, other summation orders (fused GEMMs, SDPA): ~1e-6; bugs move it >= 5.6e-4.
     assert (actions - expected).abs().max() < 1e-5
     assert context.shape[1] == plen + 1 and bool(context[:, plen].all())
 

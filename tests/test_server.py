@@ -127,6 +127,12 @@ def request_body(obs: dict, noise=None, lists: bool = False, **sections) -> dict
     return {"input": {"task": obs["task"], "observation": observation}, **sections}
 
 
+def openpi_observation(obs: dict, noise: np.ndarray) -> dict:
+    """`obs` (base and left wrist cameras) in the DROID/LIBERO keys an OpenPI client sends."""
+    return {"observation/image": obs["images"]["base_0_rgb"], "observation/wrist_image": obs["images"]["left_wrist_0_rgb"],
+            "observation/state": obs["state"].astype(np.float64), "prompt": obs["task"], "noise": noise}
+
+
 def post_msgpack(http: httpx.Client, body: dict, accept: str = MSGPACK) -> httpx.Response:
     return http.post(GENERATIONS, content=msgpack_numpy.packb(body),
                      headers={"Content-Type": MSGPACK, "Accept": accept})
@@ -155,10 +161,7 @@ def test_openpi_client_metadata_and_infer(server, golden_policy):
     for seed in (1, 2):
         obs = make_observation(seed, cameras=("base_0_rgb", "left_wrist_0_rgb"))
         noise = make_noise(seed)
-        out = client.infer({"observation/image": obs["images"]["base_0_rgb"],
-                            "observation/wrist_image": obs["images"]["left_wrist_0_rgb"],
-                            "observation/state": obs["state"].astype(np.float64), "prompt": obs["task"],
-                            "noise": noise})
+        out = client.infer(openpi_observation(obs, noise))
         assert out["actions"].dtype == np.float32 and out["actions"].shape == (HORIZON, ACTION_DIM)
         assert_actions(out["actions"], golden_policy.infer(obs, noise=noise).actions)
         assert out["server_timing"]["infer_ms"] > 0

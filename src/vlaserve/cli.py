@@ -18,6 +18,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint.files import ReadAhead, read_ahead
 from .config import RuntimeConfig
+from .demo import DEMO_NAMES
 from .errors import VlaserveError
 
 log = logging.getLogger("vlaserve")
@@ -63,21 +64,34 @@ SERVE_OPTIONS = {**SERVER_OPTIONS, **_runtime_options()}
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 
 
+DEMO_HELP = "which built-in DEMO (tiny, random weights) to use without a checkpoint (default: pi05)"
+
+
 class UsageError(Exception):
     pass
 
 
+def checkpoint_or_demo(checkpoint: str | None, demo: str | None) -> str:
+    """The checkpoint to load: the given one, else the family's DEMO (built offline on first use)."""
+    from .demo import demo_checkpoint
+
+    if checkpoint is not None and demo is not None:
+        raise UsageError("pass a checkpoint or --demo, not both")
+    return checkpoint or str(demo_checkpoint(policy_type=demo or "pi05"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlaserve", description="Serve the Pi0.5 robot policy.")
+    parser = argparse.ArgumentParser(prog="vlaserve", description="Serve Pi0.5 and Pi0 robot policies.")
     parser.add_argument("--version", action="version", version=f"vlaserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
         "serve", argument_default=argparse.SUPPRESS, help="run the HTTP/websocket server",
-        description="Serve a Pi0.5 checkpoint over HTTP and websockets (OpenPI-compatible). "
+        description="Serve a Pi0.5 or Pi0 checkpoint over HTTP and websockets (OpenPI-compatible). "
                     "Options come from the command line, then --config, then the defaults.")
     serve.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                        help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
+    serve.add_argument("--demo", choices=tuple(DEMO_NAMES), help=DEMO_HELP)
     serve.add_argument("--config", metavar="FILE", help="JSON file with any of the options below, plus camera_aliases")
     for name, (kind, default, metavar, text) in SERVE_OPTIONS.items():
         if kind is bool:
@@ -93,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tokenizer and normalization of a checkpoint, read from its headers and config files.")
     info.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                       help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
+    info.add_argument("--demo", choices=tuple(DEMO_NAMES), help=DEMO_HELP)
     info.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                       help="serving dtype the counts and memory assume (default: bfloat16)")
     info.add_argument("--max-batch-size", type=int, default=8, metavar="N",
@@ -240,7 +255,6 @@ def serve_command(cli: dict) -> int:
     import uvicorn
 
     from . import Policy
-    from .demo import demo_checkpoint
     from .processing.layouts import camera_aliases, check_camera_aliases
     from .server import ServerSettings, create_app
     from .server.lifecycle import DrainingServer, guarded_http_protocol
@@ -248,12 +262,12 @@ def serve_command(cli: dict) -> int:
     runtime = options["runtime"]
     try:
         aliases = camera_aliases(options["camera_aliases"])
-        checkpoint = options["checkpoint"] or demo_checkpoint()
+        checkpoint = checkpoint_or_demo(options["checkpoint"], cli.get("demo"))
         policy = Policy.from_pretrained(checkpoint, runtime)
         check_camera_aliases(aliases, policy.config.cameras)
         if options["served_model_name"] is not None:
             policy.name = options["served_model_name"]
-    except (VlaserveError, ValueError, OSError) as e:
+    except (VlaserveError, ValueError, OSError, UsageError) as e:
         log.error("%s", e)
         return 2
 
@@ -363,7 +377,8 @@ def log_startup(policy, options: dict) -> None:
         log.warning("Pass a checkpoint (directory or hub id) to serve a real policy.")
         log.warning("*" * 72)
     counts = ", ".join(f"{n:,} {dtype}" for dtype, n in m["parameter_counts"].items())
-    log.info("model %s%s from %s", m["model"], " (DEMO)" if m["is_demo"] else "", m["checkpoint"])
+    log.info("model %s (%s%s) from %s", m["model"], m["policy_type"], ", DEMO" if m["is_demo"] else "",
+             m["checkpoint"])
     log.info("dtype %s, device %s, memory profile %s, parameters: %s", m["dtype"], m["device"],
              m["memory_profile"], counts)
     t = policy.load_timings
@@ -387,28 +402,32 @@ def reachability(host: str) -> str:
     return ""
 
 
-def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tokenizer: str | None = None) -> dict:
+def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tokenizer: str | None = None,
+                    demo: str | None = None) -> dict:
     """What `vlaserve info` reports, from headers and config files only (no weight is read)."""
 
     from .config import load_policy_config
-    from .demo import demo_checkpoint
     from .errors import CheckpointError
     from .checkpoint.files import resolve_checkpoint
-    from .checkpoint.weights import checkpoint_shapes
+    from .checkpoint.weights import check_weights, checkpoint_shapes
     from .config import PROFILES
+    from .family import family_of
     from .processing.normalize import load_normalization
     from .processing.prompt import find_tokenizer
     from .runtime.device import DTYPES
     from .runtime.memory import counts_by_dtype, estimate_memory, prefix_kv_bytes
 
-    directory = resolve_checkpoint(checkpoint or demo_checkpoint())
+    directory = resolve_checkpoint(checkpoint_or_demo(checkpoint, demo))
     config = load_policy_config(directory)
-    shapes = checkpoint_shapes(directory)
+    family = family_of(config)
+    layout = family.weights
+    check_weights(family.build_model(config), directory, layout)  # config.json's type and the weights agree
+    shapes = checkpoint_shapes(directory, layout)
     torch_dtype = DTYPES[dtype]
+    counts = counts_by_dtype(shapes, torch_dtype, layout)
     info = {
-        "checkpoint": str(directory), "is_demo": config.is_demo, "dtype": dtype,
-        "parameters": {"total": sum(counts_by_dtype(shapes, torch_dtype).values()),
-                       "by_dtype": counts_by_dtype(shapes, torch_dtype)},
+        "checkpoint": str(directory), "policy_type": config.policy_type, "is_demo": config.is_demo, "dtype": dtype,
+        "parameters": {"total": sum(counts.values()), "by_dtype": counts},
         "cameras": list(config.cameras), "state_dim": config.state_dim, "action_dim": config.action_dim,
         "action_horizon": config.action_horizon, "num_inference_steps": config.num_inference_steps,
         "max_token_len": config.max_token_len,
@@ -442,6 +461,7 @@ def format_info(info: dict) -> str:
     normalization = info["normalization"] or f"not found: {info['normalization_error']}"
     lines = [
         f"checkpoint      {info['checkpoint']}",
+        f"policy type     {info['policy_type']}",
         f"demo            {'yes (tiny, random weights)' if info['is_demo'] else 'no'}",
         f"parameters      {params['total']:,} used: {split} (serving dtype {info['dtype']})",
         f"cameras         {', '.join(info['cameras'])}",
@@ -480,8 +500,8 @@ def info_command(cli: dict) -> int:
         log.error("max_batch_size must be at least 1")
         return 2
     try:
-        info = checkpoint_info(cli["checkpoint"], cli["dtype"], cli["max_batch_size"], cli["tokenizer"])
-    except (VlaserveError, OSError) as e:
+        info = checkpoint_info(cli["checkpoint"], cli["dtype"], cli["max_batch_size"], cli["tokenizer"], cli["demo"])
+    except (VlaserveError, OSError, UsageError) as e:
         log.error("%s", e)
         return 2
     print(json.dumps(info, indent=1) if cli["json"] else format_info(info))

@@ -77,6 +77,8 @@ class PolicyConfig:
     max_token_len: int = 200
     image_resolution: tuple[int, int] = (224, 224)
     is_demo: bool = False  # architecture.json says "demo": true (the embedded random-weight demo)
+    policy_type: str = "pi05"  # config.json's type: the policy family (vlaserve.family)
+    max_state_dim: int = 32  # Pi0: the state token's input width (the normalized state is zero-padded to it)
 
     @property
     def action_horizon(self) -> int:
@@ -123,10 +125,11 @@ def _model_from_architecture(arch: dict, chunk_size: int, max_action_dim: int) -
 
 
 def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
-    """Reads a LeRobot pi05 `config.json` (+ optional `architecture.json`)."""
+    """Reads a LeRobot pi05 or pi0 `config.json` (+ optional `architecture.json`)."""
+    from .family import family_named  # not at the top: family.py imports the models, which import this module
+
     cfg = _read_json(checkpoint_dir / "config.json")
-    if cfg.get("type", "pi05") != "pi05":
-        raise CheckpointError(f"{checkpoint_dir}/config.json has type {cfg.get('type')!r}; vlaserve serves pi05")
+    family = family_named(cfg.get("type", "pi05"), f"{checkpoint_dir}/config.json")
 
     features = cfg.get("input_features") or {}
     cameras = [k.split("observation.images.", 1)[1] for k, f in features.items()
@@ -157,6 +160,10 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
                             time_min_period=float(cfg.get("min_period", 4e-3)),
                             time_max_period=float(cfg.get("max_period", 4.0)))
 
+    state_dim, max_state_dim = int(state["shape"][0]), int(cfg.get("max_state_dim", 32))
+    if family.state_to_model and state_dim > max_state_dim:
+        raise CheckpointError(f"{checkpoint_dir}/config.json: observation.state has {state_dim} dims, more than "
+                              f"max_state_dim {max_state_dim} (the state projection's input width)")
     resolution = tuple(cfg.get("image_resolution", (224, 224)))
     if resolution[0] != resolution[1] or resolution[0] != model.vision.image_size:
         raise CheckpointError(f"image_resolution {resolution} does not match the vision tower "
@@ -164,12 +171,14 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     return PolicyConfig(
         model=model,
         cameras=tuple(cameras),
-        state_dim=int(state["shape"][0]),
+        state_dim=state_dim,
         action_dim=int(action["shape"][0]),
         num_inference_steps=int(cfg.get("num_inference_steps", 10)),
-        max_token_len=int(cfg.get("tokenizer_max_length", 200)),
+        max_token_len=int(cfg.get("tokenizer_max_length", family.default_max_token_len)),
         image_resolution=(int(resolution[0]), int(resolution[1])),
         is_demo=bool(arch and arch.get("demo")),
+        policy_type=family.name,
+        max_state_dim=max_state_dim,
     )
 
 

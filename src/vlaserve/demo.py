@@ -1,8 +1,8 @@
-"""A tiny random-weight Pi0.5 checkpoint, built offline, so `vlaserve serve` works with no download.
+"""Tiny random-weight Pi0.5 and Pi0 checkpoints, built offline, so `vlaserve serve` works with no download.
 
 The demo produces meaningless actions: it exists to exercise the whole serving path (formats,
-protocols, batching) on any machine. It is written in the LeRobot checkpoint layout, so it loads
-through exactly the same code as a real checkpoint.
+protocols, batching) on any machine. It is written in the LeRobot checkpoint layout of its family
+(`vlaserve serve --demo pi0` for Pi0), so it loads through exactly the same code as a real checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_NAME = "demo-pi05-v1"
+DEMO_NAMES = {"pi05": "demo-pi05-v1", "pi0": "demo-pi0-v1"}
+DEMO_NAME = DEMO_NAMES["pi05"]  # the default demo
 DEMO_SEED = 20261201
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 STATE_DIM = ACTION_DIM = 14
@@ -33,17 +34,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("VLASERVE_CACHE") or Path.home() / ".cache" / "vlaserve")
 
 
-def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the demo checkpoint, built on first use (atomically, so concurrent starts are safe)."""
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None, policy_type: str = "pi05") -> Path:
+    """Path of the family's demo checkpoint, built on first use (atomically, so concurrent starts are safe)."""
+    if policy_type not in DEMO_NAMES:
+        raise ValueError(f"no demo for policy type {policy_type!r} (demos: {', '.join(DEMO_NAMES)})")
+    name = DEMO_NAMES[policy_type]
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    target = root / DEMO_NAME
+    target = root / name
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    log.warning("building the DEMO checkpoint (tiny, random weights) in %s", target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=root))
+    log.warning("building the %s DEMO checkpoint (tiny, random weights) in %s", policy_type, target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        write_demo_checkpoint(staging)
+        write_demo_checkpoint(staging, policy_type)
         os.rename(staging, target)
     except OSError:
         # Another process finished first; its copy is identical (same seed), so use it.
@@ -54,25 +58,29 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def write_demo_checkpoint(out: Path) -> None:
+def write_demo_checkpoint(out: Path, policy_type: str = "pi05") -> None:
     from safetensors.numpy import save_file as save_numpy
     from safetensors.torch import save_file as save_torch
 
-    from .config import load_policy_config
     from .checkpoint.weights import random_lerobot_state_dict
+    from .config import load_policy_config
+    from .family import family_named
 
-    architecture = demo_architecture()
+    family = family_named(policy_type)
+    architecture = demo_architecture(policy_type)
     _write_json(out / "architecture.json", architecture)
-    _write_json(out / "config.json", demo_config())
+    _write_json(out / "config.json", demo_config(policy_type))
     # Read back through the loader, so the weights have exactly the shapes serving will expect.
-    model_config = load_policy_config(out).model
-    state_dict = random_lerobot_state_dict(model_config, seed=DEMO_SEED, std=architecture["init"]["std"])
+    model = family.build_model(load_policy_config(out))
+    state_dict = random_lerobot_state_dict(model, family.weights, seed=DEMO_SEED, std=architecture["init"]["std"])
     save_torch({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"))
 
     stats = normalization_stats(np.random.default_rng(DEMO_SEED))
-    _write_json(out / "policy_preprocessor.json", preprocessor_pipeline())
-    save_numpy(stats, str(out / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
-    _write_json(out / "policy_postprocessor.json", postprocessor_pipeline())
+    preprocessor = preprocessor_pipeline(policy_type)
+    _write_json(out / "policy_preprocessor.json", preprocessor)
+    normalizer = next(step for step in preprocessor["steps"] if step["registry_name"] == "normalizer_processor")
+    save_numpy(stats, str(out / normalizer["state_file"]))
+    _write_json(out / "policy_postprocessor.json", postprocessor_pipeline(policy_type))
     save_numpy(stats, str(out / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
 
     tokenizer_dir = out / "tokenizer"
@@ -86,23 +94,25 @@ def write_demo_checkpoint(out: Path) -> None:
                 {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"})
     (out / "README.md").write_text(
         "# vlaserve DEMO checkpoint\n\n"
-        "Tiny Pi0.5 with RANDOM weights, generated offline by `vlaserve.demo`. Its actions mean nothing;\n"
+        f"Tiny {family.display} with RANDOM weights, generated offline by `vlaserve.demo`. Its actions mean nothing;\n"
         "it exists to try the server and its protocols without downloading a model.\n"
     )
 
 
-def demo_architecture() -> dict:
-    """Same schema as the golden test checkpoint's architecture.json, with the same tiny sizes."""
+def demo_architecture(policy_type: str = "pi05") -> dict:
+    """Same schema as the family's golden test checkpoint's architecture.json, with the same tiny sizes."""
     gemma = {"num_heads": 8, "num_kv_heads": 1, "head_dim": 16, "vocab_size": MODEL_VOCAB_SIZE,
              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "gelu_pytorch_tanh"}
+    # Pi0.5's expert norms are AdaRMS (conditioned on the time); Pi0's are plain RMSNorms.
+    adarms = {"adarms": True, "adarms_cond_dim": 32} if policy_type == "pi05" else {"adarms": False}
     return {
-        "format": "pi05-golden-architecture/1",
+        "format": f"{policy_type}-golden-architecture/1",
         "demo": True,
         "lerobot_variant_names": {"vlm": "gemma_2b", "expert": "gemma_300m"},
         "note": "vlaserve demo checkpoint: tiny sizes, random weights; config.json names the lerobot variants only.",
         "vlm": {"width": 64, "depth": 2, "mlp_dim": 128, **gemma, "embed_scale": 8.0},
-        "expert": {"width": 32, "depth": 2, "mlp_dim": 64, **gemma, "adarms": True, "adarms_cond_dim": 32,
-                   "embed_tokens": None, "lm_head_unused": True},
+        "expert": {"width": 32, "depth": 2, "mlp_dim": 64, **gemma, **adarms, "embed_tokens": None,
+                   "lm_head_unused": True},
         "vision": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "head_dim": 16, "mlp_dim": 64,
                    "patch_size": 14, "image_size": 224, "num_patches": 256, "projection_dim": 64,
                    "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "use_head": False},
@@ -115,13 +125,32 @@ def demo_architecture() -> dict:
             "prefix_len": len(CAMERAS) * 256 + TOKENIZER_MAX_LENGTH,
             "time_embedding": {"dim": 32, "min_period": 0.004, "max_period": 4.0},
             "dtype": "float32",
+            **(_PI0_POLICY if policy_type == "pi0" else {}),
         },
         "init": {"seed": DEMO_SEED, "std": 0.1, "norm_std": 0.1},
     }
 
 
-def demo_config() -> dict:
-    """A LeRobot PI05Config (draccus JSON), as `PI05Policy.save_pretrained` writes it."""
+# What Pi0's architecture.json adds to the policy section (as the pi0 golden checkpoint has it).
+_PI0_POLICY = {
+    "type": "pi0", "suffix_len": 1 + CHUNK_SIZE,
+    "normalization": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
+    "projections": {"state_proj": {"in": 32, "out": 32}, "action_in_proj": {"in": 32, "out": 32},
+                    "action_time_mlp_in": {"in": 64, "out": 32}, "action_time_mlp_out": {"in": 32, "out": 32},
+                    "action_out_proj": {"in": 32, "out": 32}},
+}
+
+
+def demo_config(policy_type: str = "pi05") -> dict:
+    """A LeRobot PI05Config or PI0Config (draccus JSON), as `save_pretrained` writes it."""
+    config = _pi05_config()
+    if policy_type == "pi0":  # PI0Config: the same fields, MEAN_STD, tokenizer_max_length last
+        length = config.pop("tokenizer_max_length")
+        config.update(type="pi0", normalization_mapping=NORM_MAPS["pi0"], tokenizer_max_length=length)
+    return config
+
+
+def _pi05_config() -> dict:
     visual = {"type": "VISUAL", "shape": [3, 224, 224]}
     return {
         "type": "pi05",
@@ -188,31 +217,40 @@ def _normalizer_features(with_inputs: bool) -> dict:
     return features
 
 
-NORM_MAP = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
+NORM_MAPS = {"pi05": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"},
+             "pi0": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}}
 
 
-def preprocessor_pipeline() -> dict:
-    return {"name": "policy_preprocessor", "steps": [
-        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
-        {"registry_name": "to_batch_processor", "config": {}},
-        {"registry_name": "relative_actions_processor",
-         "config": {"enabled": False, "exclude_joints": ["gripper"], "action_names": None}},
-        {"registry_name": "normalizer_processor",
-         "config": {"eps": 1e-08, "features": _normalizer_features(True), "norm_map": NORM_MAP},
-         "state_file": "policy_preprocessor_step_3_normalizer_processor.safetensors"},
-        {"registry_name": "pi05_prepare_state_tokenizer_processor_step", "config": {}},
-        {"registry_name": "tokenizer_processor",
-         "config": {"max_length": TOKENIZER_MAX_LENGTH, "task_key": "task", "padding_side": "right",
-                    "padding": "max_length", "truncation": True,
-                    "tokenizer_name": "google/paligemma-3b-pt-224"}},
-        {"registry_name": "device_processor", "config": {"device": "cpu", "float_dtype": None}},
-    ]}
+def preprocessor_pipeline(policy_type: str = "pi05") -> dict:
+    """The family's pre-processor steps in LeRobot's order (processing/pipeline.py PRE_STEPS)."""
+    from .processing.pipeline import PRE_STEPS
+
+    steps = {
+        "rename_observations_processor": {"rename_map": {}},
+        "to_batch_processor": {},
+        "relative_actions_processor": {"enabled": False, "exclude_joints": ["gripper"], "action_names": None},
+        "normalizer_processor": {"eps": 1e-08, "features": _normalizer_features(True),
+                                 "norm_map": NORM_MAPS[policy_type]},
+        "pi05_prepare_state_tokenizer_processor_step": {},
+        "pi0_new_line_processor": {},
+        "tokenizer_processor": {"max_length": TOKENIZER_MAX_LENGTH, "task_key": "task", "padding_side": "right",
+                                "padding": "max_length", "truncation": True,
+                                "tokenizer_name": "google/paligemma-3b-pt-224"},
+        "device_processor": {"device": "cpu", "float_dtype": None},
+    }
+    entries = []
+    for i, name in enumerate(PRE_STEPS[policy_type]):
+        entry = {"registry_name": name, "config": steps[name]}
+        if name == "normalizer_processor":
+            entry["state_file"] = f"policy_preprocessor_step_{i}_normalizer_processor.safetensors"
+        entries.append(entry)
+    return {"name": "policy_preprocessor", "steps": entries}
 
 
-def postprocessor_pipeline() -> dict:
+def postprocessor_pipeline(policy_type: str = "pi05") -> dict:
     return {"name": "policy_postprocessor", "steps": [
         {"registry_name": "unnormalizer_processor",
-         "config": {"eps": 1e-08, "features": _normalizer_features(False), "norm_map": NORM_MAP},
+         "config": {"eps": 1e-08, "features": _normalizer_features(False), "norm_map": NORM_MAPS[policy_type]},
          "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"},
         {"registry_name": "absolute_actions_processor", "config": {"enabled": False}},
         {"registry_name": "device_processor", "config": {"device": "cpu", "float_dtype": None}},

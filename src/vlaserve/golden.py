@@ -1,8 +1,9 @@
-"""Compare a Policy with reference-produced golden cases (the `pi05_golden` format).
+"""Compare a Policy with reference-produced golden cases (the `pi05_golden` and `pi0_golden` formats).
 
 Every case holds inputs and the values the reference computed from them, stage by stage. This
 module recomputes each stage with our code and reports max|Δ| per tensor; tests assert on it and
-`python -m vlaserve.golden GOLDEN_DIR` prints the table.
+`python -m vlaserve.golden GOLDEN_DIR` prints the table. The two formats share their names; a stage
+only one family has (Pi0.5's state bins, Pi0's state token) is compared where the case records it.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
     prepared = [policy.prepare(r) for r in requests]
     exact["prompts"] = [p.prompt for p in prepared] == m["prompts"]
     exact["truncated"] = [p.truncated for p in prepared] == m["truncated"]
-    equal("state_bins", np.stack([p.state_bins for p in prepared]), t["expected.state_bins"])
+    if "expected.state_bins" in t:
+        equal("state_bins", np.stack([p.state_bins for p in prepared]), t["expected.state_bins"])
     equal("tokens", torch.stack([p.tokens for p in prepared]), t["expected.tokens"])
     equal("token_mask", torch.stack([p.token_mask for p in prepared]), t["expected.token_mask"])
     delta("state_normalized", np.stack([p.normalized_state for p in prepared]), t["expected.state_normalized"])
@@ -91,6 +93,7 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         for p in prepared)
 
     model, device = policy.runtime.model, policy.runtime.device
+    horizon = t["input.noise"].shape[1]
     with torch.no_grad():
         inputs, _, rtc = policy.preprocessor.collate(requests)
         inputs = inputs.to(device)
@@ -102,10 +105,11 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         for i, (k, v) in enumerate(ctx.kv):
             delta(f"prefix_kv.{i}.key", k, t[f"expected.prefix_kv.{i}.key"])
             delta(f"prefix_kv.{i}.value", v, t[f"expected.prefix_kv.{i}.value"])
-        horizon = t["input.noise"].shape[1]
-        _, positions = model.action_attention(ctx, horizon)
-        equal("suffix_position_ids", positions, t["expected.suffix_position_ids"])
-
+        if inputs.state is None:
+            _, positions = model.action_attention(ctx, horizon)
+            equal("suffix_position_ids", positions, t["expected.suffix_position_ids"])
+        else:
+            ctx = _compare_state_token(model, ctx, inputs.state, horizon, t, delta, equal)
         noise = torch.from_numpy(t["input.noise"]).to(device)
         batch = noise.shape[0]
         one = torch.ones(batch, dtype=torch.float32, device=device)
@@ -125,6 +129,9 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
         for name in ("x_t", "v_t", "adarms_cond", "v_guided"):
             if f"expected.trace.{name}" in t:
                 delta(f"trace.{name}", torch.stack(trace[name]), t[f"expected.trace.{name}"])
+        if "expected.trace.action_time_emb" in t:  # Pi0's action tokens: actions and time fused by an MLP
+            fused = [model.embed_actions(x, e) for x, e in zip(trace["x_t"], trace["time_emb"])]
+            delta("trace.action_time_emb", torch.stack(fused), t["expected.trace.action_time_emb"])
         if rtc is not None:
             delta("rtc.prefix_weights", rtc.weights[0], t["expected.rtc.prefix_weights"])
             w = torch.stack([rtc_guidance_weight(s, rtc.max_weight)[0] for s in times])
@@ -137,7 +144,28 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
     delta("api.actions_normalized", np.stack([r.model_actions[:, : policy.config.action_dim] for r in results]),
           t["expected.actions_normalized"])
     delta("api.actions", np.stack([r.actions for r in results]), t["expected.actions"])
+    if len(obs) == 1:  # the single-observation call too
+        one = policy.infer(obs[0], noise=t["input.noise"][0], num_steps=steps, rtc=rtcs[0])
+        delta("api.infer.actions", one.actions[None], t["expected.actions"])
     return exact, deltas
+
+
+def _compare_state_token(model, prefix, state, horizon: int, t: dict, delta, equal):
+    """Pi0's state token: the reference runs one suffix of 1 + H tokens each step; we run the state
+    token once (`with_state`) and the action tokens each step. Rebuild the reference's suffix mask and
+    positions from our two passes and compare them, and the state's values. -> the context with the
+    state token's K/V."""
+    batch = state.shape[0]
+    delta("state_model", state, t["expected.state_model"])
+    delta("state_emb", model.embed_state(state), t["expected.state_emb"])
+    state_bias, state_pos = model.state_attention(prefix)
+    ctx = model.with_state(prefix, state)
+    action_bias, action_pos = model.action_attention(ctx, horizon)
+    state_row = torch.cat([state_bias == 0, torch.zeros(batch, 1, horizon, dtype=torch.bool, device=state.device)],
+                          dim=2)
+    equal("suffix_att_2d_mask", torch.cat([state_row, action_bias == 0], dim=1), t["expected.suffix_att_2d_mask"])
+    equal("suffix_position_ids", torch.cat([state_pos, action_pos], dim=1), t["expected.suffix_position_ids"])
+    return ctx
 
 
 def case_dirs(golden_dir: Path) -> list[Path]:

@@ -11,9 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint.files import checkpoint_files, resolve_checkpoint
-from .checkpoint.weights import build_model, load_weights, parameter_counts
+from .checkpoint.weights import load_weights, parameter_counts
 from .config import PolicyConfig, RuntimeConfig, load_policy_config
 from .errors import InvalidRequest
+from .family import family_of
 from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
@@ -38,7 +39,7 @@ class Policy:
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, runtime: RuntimeConfig | None = None, progress: bool = True,
                         **options) -> "Policy":
-        """Loads a LeRobot/OpenPI Pi0.5 checkpoint (directory or hub id) as `runtime` says; keyword
+        """Loads a LeRobot/OpenPI Pi0.5 or LeRobot Pi0 checkpoint (directory or hub id) as `runtime` says; keyword
         `options` override its fields (e.g. device="cuda", prefix_cache=16). On CUDA the fast path
         serves unless fast_path=False; `warmup` "blocking" returns once it is ready, "background"
         serves with the eager model until then. Before any weight loads, the memory profile's estimate
@@ -56,16 +57,17 @@ class Policy:
         dtype = resolve_dtype(settings.dtype, device)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
+        family = family_of(config)
         pipeline = ProcessorPipeline.load(directory, config)
         tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))
-        preprocessor = Preprocessor(config, pipeline, tokenizer, settings.prompt_buckets)
+        preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets)
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = resolve_device("cpu") if settings.profile.offload else device
-        model = load_weights(build_model(config.model), directory, dtype, load_device, progress=progress,
-                             loader=settings.weights_loader).eval()
+        model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
+                             loader=settings.weights_loader, layout=family.weights).eval()
         synchronize(load_device)
         mark("weights_s")
         runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory))
@@ -90,7 +92,7 @@ class Policy:
         """What the policy is and how it serves right now (fast path, cache stats, readiness are live)."""
         c, r = self.config, self.runtime
         return {
-            "model": self.name, "checkpoint": self.checkpoint, "is_demo": c.is_demo,
+            "model": self.name, "checkpoint": self.checkpoint, "is_demo": c.is_demo, "policy_type": c.policy_type,
             "cameras": list(c.cameras), "state_dim": c.state_dim, "action_dim": c.action_dim,
             "action_horizon": c.action_horizon, "max_action_dim": c.model.max_action_dim,
             "max_token_len": c.max_token_len, "num_inference_steps": c.num_inference_steps,
@@ -149,14 +151,14 @@ class Policy:
         timings = {"preprocess_ms": (prepared - started) * 1e3, **stages,
                    "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
                    "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(requests)}
-        return [InferenceResult(actions[i], model_np[i], dict(timings), _warnings(r.prepared))
+        return [InferenceResult(actions[i], model_np[i], dict(timings), self._warnings(r.prepared))
                 for i, r in enumerate(requests)]
 
-
-def _warnings(prepared: PreparedObservation) -> list[str]:
-    if prepared.truncated:
-        return ["the prompt was cut at max_token_len tokens: its end (state, 'Action:') is missing"]
-    return []
+    def _warnings(self, prepared: PreparedObservation) -> list[str]:
+        if prepared.truncated:
+            return [f"the prompt was cut at max_token_len tokens: its end ({self.preprocessor.family.prompt_end}) "
+                    "is missing"]
+        return []
 
 
 def _checkpoint_revision(directory: Path) -> str:

@@ -152,8 +152,8 @@ class PreparedObservation:
     slot_cameras: list[str]  # camera of each slot
     tokens: torch.Tensor  # [L] int64
     token_mask: torch.Tensor  # [L] bool
-    normalized_state: np.ndarray
-    state_bins: np.ndarray
+    normalized_state: np.ndarray  # float32 [state_dim]
+    state_bins: np.ndarray | None  # int64 [state_dim]: the prompt's state (Pi0.5); None when the prompt has none
     prompt: str
     truncated: bool
     noise: torch.Tensor  # [H, max_action_dim] float32: given, seeded or drawn
@@ -198,14 +198,16 @@ class ModelInputs:
     image_masks: torch.Tensor  # [B, N]
     tokens: torch.Tensor  # [B, L]
     token_mask: torch.Tensor  # [B, L]
+    state: torch.Tensor | None = None  # [B, max_state_dim] float32, normalized and zero-padded (Pi0); None: Pi0.5
 
     def to(self, device) -> "ModelInputs":
         """Moves to `device`; uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
         images = self.images.to(device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = bytes_to_model_range(images)
+        state = None if self.state is None else self.state.to(device, non_blocking=True)
         return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
-                                     (self.image_masks, self.tokens, self.token_mask)))
+                                     (self.image_masks, self.tokens, self.token_mask)), state)
 
 
 @dataclass

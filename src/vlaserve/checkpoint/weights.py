@@ -1,7 +1,7 @@
 """Checkpoint layouts -> our parameter names, the dtype policy, strict loading.
 
-Our module tree mirrors the LeRobot one below a few renamed roots, so one prefix table maps
-names both ways. Loading is strict: a missing, unexpected or wrong-shaped tensor is an error
+Our module tree mirrors the LeRobot one below a few renamed roots, so one prefix table per policy
+family (a `WeightLayout`: Pi0.5's, Pi0's) maps names both ways. Loading is strict: a missing, unexpected or wrong-shaped tensor is an error
 that names the keys; a partially random model is never served.
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
@@ -22,8 +24,61 @@ from ..model.pi05 import Pi05Model
 
 _PG = "paligemma_with_expert.paligemma.model."
 _VIS = _PG + "vision_tower.vision_model."
-# (LeRobot name prefix, our name prefix), most specific first.
-PREFIXES = [
+LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"  # tied to embed_tokens in PaliGemma
+EMBED = "vlm.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """One policy family's checkpoint keys: how LeRobot names map to ours (both ways), what is
+    stored but unused, and which of our parameters stay float32 whatever the serving dtype."""
+
+    family: str  # "pi05", "pi0": config.json's type
+    display: str  # "Pi0.5", "Pi0": for messages
+    prefixes: tuple[tuple[str, str], ...]  # (LeRobot name prefix, our name prefix), most specific first
+    aliases: tuple[tuple[str, str], ...]  # other spellings of a root, applied after "model." is stripped
+    unprefixed_renames: tuple[tuple[str, str], ...]  # only for keys without "model." (LeRobot's loader does so)
+    ignored: re.Pattern  # stored in real checkpoints, used by no computation of the family
+    fp32: re.Pattern
+    signature: re.Pattern  # a (canonical) key only this family's checkpoints hold: its expert's final norm
+
+    def canonical(self, key: str) -> str:
+        if key.startswith("model."):
+            key = key[len("model."):]
+        else:
+            key = _rename(key, self.unprefixed_renames)
+        return _rename(key, self.aliases)
+
+    def to_ours(self, key: str) -> str | None:
+        """A checkpoint key -> our parameter name; None for tensors the family does not use, "?key"
+        for unknown ones (reported as unexpected)."""
+        key = self.canonical(key)
+        if self.ignored.match(key) or key == LM_HEAD:
+            return None
+        for theirs, ours in self.prefixes:
+            if key.startswith(theirs):
+                return ours + key[len(theirs):]
+        return "?" + key
+
+    def to_lerobot(self, our_name: str) -> str:
+        for theirs, ours in self.prefixes:
+            if our_name.startswith(ours):
+                return "model." + theirs + our_name[len(ours):]
+        raise KeyError(our_name)
+
+    def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.fp32.search(name) else dtype
+
+
+def _rename(key: str, renames) -> str:
+    for old, new in renames:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+# The roots both families share, (LeRobot name prefix, our name prefix), most specific first.
+_SHARED_PREFIXES = (
     (_VIS + "embeddings.patch_embedding.", "vision.patch_embedding."),
     (_VIS + "embeddings.position_embedding.", "vision.position_embedding."),
     (_VIS + "encoder.layers.", "vision.layers."),
@@ -33,69 +88,73 @@ PREFIXES = [
     ("paligemma_with_expert.gemma_expert.model.", "expert."),
     ("action_in_proj.", "action_in_proj."),
     ("action_out_proj.", "action_out_proj."),
-    ("time_mlp_in.", "time_mlp_in."),
-    ("time_mlp_out.", "time_mlp_out."),
-]
-LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"  # tied to embed_tokens in PaliGemma
-# Present in real checkpoints, used by no Pi0.5 computation.
-IGNORED = re.compile(r"^(paligemma_with_expert\.gemma_expert\.lm_head\.|state_proj\.)")
-
-# Older transformers / OpenPI-converted layouts spell some roots differently.
-_LAYOUT_ALIASES = [
+)
+# Older transformers / OpenPI-converted layouts spell the PaliGemma roots differently.
+_ROOT_ALIASES = (
     ("paligemma_with_expert.paligemma.language_model.model.", _PG + "language_model."),
     ("paligemma_with_expert.paligemma.language_model.", _PG + "language_model."),
     ("paligemma_with_expert.paligemma.vision_tower.", _PG + "vision_tower."),
     ("paligemma_with_expert.paligemma.multi_modal_projector.", _PG + "multi_modal_projector."),
-    ("action_time_mlp_in.", "time_mlp_in."),
-    ("action_time_mlp_out.", "time_mlp_out."),
-]
+)
+_EXPERT_HEAD = r"paligemma_with_expert\.gemma_expert\.lm_head\."
 
-# The fp32 set of OpenPI (`gemma_pytorch.py` `to_bfloat16_for_selected_params`) and SGLang's pi05
-# runtime: the vision patch/position embeddings, the Gemma norms (`input_layernorm`,
-# `post_attention_layernorm`, `model.norm`; in the expert these are the AdaRMS dense layers), and the
-# small action/time projections (their published count, 119,720,608 fp32 parameters at full size,
-# includes them). The SigLIP LayerNorms are bf16 there, and so here. (LeRobot keeps the
-# whole vision tower and the projector in fp32 instead.) Everything else is in the serving dtype.
-FP32_PATTERN = re.compile(
-    r"^vision\.(patch_embedding|position_embedding)\.|^(vlm|expert)\.(layers\.\d+\.(input_layernorm|"
-    r"post_attention_layernorm)|norm)\.|^(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\."
+
+def _fp32_pattern(projections: tuple[str, ...]) -> re.Pattern:
+    """The fp32 set of OpenPI (`gemma_pytorch.py` `to_bfloat16_for_selected_params`) and SGLang's
+    pi05 runtime: the vision patch/position embeddings, the Gemma norms (`input_layernorm`,
+    `post_attention_layernorm`, `model.norm`; in Pi0.5's expert these are the AdaRMS dense layers),
+    and the family's small action/time/state projections (the published count, 119,720,608 fp32
+    parameters for Pi0.5 at full size, includes them). The SigLIP LayerNorms are bf16 there, and so
+    here. (LeRobot keeps the whole vision tower and the projector in fp32 instead.)"""
+    return re.compile(r"^vision\.(patch_embedding|position_embedding)\.|^(vlm|expert)\.(layers\.\d+\.("
+                      r"input_layernorm|post_attention_layernorm)|norm)\.|^(" + "|".join(projections) + r")\.")
+
+
+_PI05_PROJECTIONS = ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")
+PI05_LAYOUT = WeightLayout(
+    family="pi05", display="Pi0.5",
+    prefixes=_SHARED_PREFIXES + (("time_mlp_in.", "time_mlp_in."), ("time_mlp_out.", "time_mlp_out.")),
+    # LeRobot's pi05 loader reads Pi0's action-time MLP names as its time MLP.
+    aliases=_ROOT_ALIASES + (("action_time_mlp_in.", "time_mlp_in."), ("action_time_mlp_out.", "time_mlp_out.")),
+    unprefixed_renames=(),
+    ignored=re.compile(rf"^({_EXPERT_HEAD}|state_proj\.)"),  # Pi0.5 has no state projection
+    fp32=_fp32_pattern(_PI05_PROJECTIONS),
+    signature=re.compile(r"^paligemma_with_expert\.gemma_expert\.model\.norm\.dense\."),  # AdaRMS
 )
 
+_PI0_PROJECTIONS = ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
+PI0_LAYOUT = WeightLayout(
+    family="pi0", display="Pi0",
+    prefixes=_SHARED_PREFIXES + tuple((f"{p}.", f"{p}.") for p in ("state_proj", "action_time_mlp_in",
+                                                                    "action_time_mlp_out")),
+    aliases=_ROOT_ALIASES,
+    # LeRobot's pi0 loader gives Pi0.5-spelled time MLP keys Pi0's names, in un-prefixed keys only.
+    unprefixed_renames=(("time_mlp_in.", "action_time_mlp_in."), ("time_mlp_out.", "action_time_mlp_out.")),
+    ignored=re.compile(rf"^{_EXPERT_HEAD}"),
+    fp32=_fp32_pattern(_PI0_PROJECTIONS),
+    signature=re.compile(r"^paligemma_with_expert\.gemma_expert\.model\.norm\.weight$"),  # a plain RMSNorm
+)
 
-def canonical_lerobot_name(key: str) -> str:
-    if key.startswith("model."):
-        key = key[len("model."):]
-    for old, new in _LAYOUT_ALIASES:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
-
-
-def to_our_name(lerobot_key: str) -> str | None:
-    """A checkpoint key -> our parameter name; None for tensors Pi0.5 does not use."""
-    key = canonical_lerobot_name(lerobot_key)
-    if IGNORED.match(key) or key == LM_HEAD:
-        return None
-    for theirs, ours in PREFIXES:
-        if key.startswith(theirs):
-            return ours + key[len(theirs):]
-    return "?" + key  # unknown: reported as unexpected
+WEIGHT_LAYOUTS = {layout.family: layout for layout in (PI05_LAYOUT, PI0_LAYOUT)}
 
 
-def to_lerobot_name(our_name: str) -> str:
-    for theirs, ours in PREFIXES:
-        if our_name.startswith(ours):
-            return "model." + theirs + our_name[len(ours):]
-    raise KeyError(our_name)
+def layout_for(policy_type: str) -> WeightLayout:
+    """The layout of config.json's policy type (PolicyConfig.policy_type, already checked)."""
+    return WEIGHT_LAYOUTS[policy_type]
 
 
-def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if FP32_PATTERN.search(name) else dtype
+# Pi0.5's mapping as plain functions (benchmarks and older callers).
+to_our_name = PI05_LAYOUT.to_ours
+to_lerobot_name = PI05_LAYOUT.to_lerobot
 
 
-def apply_dtype_policy(model: Pi05Model, dtype: torch.dtype) -> Pi05Model:
+def param_dtype(name: str, dtype: torch.dtype, layout: WeightLayout = PI05_LAYOUT) -> torch.dtype:
+    return layout.param_dtype(name, dtype)
+
+
+def apply_dtype_policy(model: nn.Module, dtype: torch.dtype, layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
     for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name, dtype))
+        p.data = p.data.to(layout.param_dtype(name, dtype))
     return model
 
 
@@ -106,10 +165,7 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-EMBED = "vlm.embed_tokens.weight"
-
-
-def _scan_headers(checkpoint_dir: Path) -> tuple[dict[str, tuple[Path, str]], dict[tuple[Path, str], tuple[int, ...]]]:
+def _scan_headers(checkpoint_dir: Path, layout: WeightLayout) -> tuple[dict[str, tuple[Path, str]], dict[tuple[Path, str], tuple[int, ...]]]:
     """From the safetensors headers only (no data read): our name -> (file, key) of every tensor the
     checkpoint maps to one (unknown ones as "?key"; a head-only tied embedding as the embedding), and
     each (file, key)'s shape."""
@@ -120,9 +176,9 @@ def _scan_headers(checkpoint_dir: Path) -> tuple[dict[str, tuple[Path, str]], di
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 shapes[path, key] = tuple(f.get_slice(key).get_shape())
-                if canonical_lerobot_name(key) == LM_HEAD:
+                if layout.canonical(key) == LM_HEAD:
                     lm_head = (path, key)
-                ours = to_our_name(key)
+                ours = layout.to_ours(key)
                 if ours is not None:
                     sources[ours] = (path, key)
     if EMBED not in sources and lm_head is not None:
@@ -130,9 +186,9 @@ def _scan_headers(checkpoint_dir: Path) -> tuple[dict[str, tuple[Path, str]], di
     return sources, shapes
 
 
-def checkpoint_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape for every tensor Pi0.5 uses, from the safetensors headers only."""
-    sources, shapes = _scan_headers(checkpoint_dir)
+def checkpoint_shapes(checkpoint_dir: Path, layout: WeightLayout = PI05_LAYOUT) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape for every tensor the family uses, from the safetensors headers only."""
+    sources, shapes = _scan_headers(checkpoint_dir, layout)
     return {ours: shapes[source] for ours, source in sources.items() if not ours.startswith("?")}
 
 
@@ -140,6 +196,16 @@ def _format_keys(keys, limit: int = 12) -> str:
     keys = sorted(keys)
     more = f" … and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
+
+
+def _other_family_hint(layout: WeightLayout, keys: list[str]) -> str:
+    """Names the family the weights belong to when it is another one than config.json's type says."""
+    for other in WEIGHT_LAYOUTS.values():
+        found = next((k for k in keys if other is not layout and other.signature.match(other.canonical(k))), None)
+        if found is not None:
+            return (f". The weights are a {other.display} checkpoint ({found}), but config.json's type is "
+                    f"{layout.family!r}: the config and the weights come from different policies")
+    return ""
 
 
 def _read_safetensors(by_file: dict[Path, list[str]]):
@@ -160,30 +226,40 @@ def _read_runai(by_file: dict[Path, list[str]]):
         yield from streamer.get_tensors()
 
 
-def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
-                 progress: bool = True, loader: str = "safetensors") -> Pi05Model:
-    """Fills `model` (built on the meta device) from safetensors, strictly.
-
-    Every name and shape is checked against the headers before any data is read. Tensors then
-    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are cast
-    and moved, so no full-precision copy of the model ever sits in host memory.
-    """
+def check_weights(model: nn.Module, checkpoint_dir: Path,
+                  layout: WeightLayout = PI05_LAYOUT) -> dict[str, tuple[Path, str]]:
+    """Checks every name and shape of `model` (any device, meta included) against the checkpoint's
+    safetensors headers, no data read: missing, unexpected and wrong-shaped tensors are named in
+    one CheckpointError. -> our name -> (file, key) of each tensor to load."""
     expected = {n: p for n, p in model.named_parameters()}
-    sources, shapes = _scan_headers(checkpoint_dir)
+    sources, shapes = _scan_headers(checkpoint_dir, layout)
     unexpected = [key for ours, (_, key) in sources.items() if ours not in expected]
     missing = [n for n in expected if n not in sources]
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing tensors: {_format_keys(to_lerobot_name(n) for n in missing)}")
+            parts.append(f"missing tensors: {_format_keys(layout.to_lerobot(n) for n in missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {_format_keys(unexpected)}")
-        raise CheckpointError(f"{checkpoint_dir} does not match the Pi0.5 architecture; " + "; ".join(parts))
+        raise CheckpointError(f"{checkpoint_dir} does not match the {layout.display} architecture; "
+                              + "; ".join(parts) + _other_family_hint(layout, [key for _, key in shapes]))
     wrong_shape = [f"{source[1]}: checkpoint {list(shapes[source])} vs model {list(expected[ours].shape)}"
                    for ours, source in sources.items() if shapes[source] != tuple(expected[ours].shape)]
     if wrong_shape:
         raise CheckpointError(f"{checkpoint_dir}: tensors of the wrong shape: " + "; ".join(wrong_shape[:12]))
 
+    return sources
+
+
+def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
+                 progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
+    """Fills `model` (built on the meta device) from safetensors, strictly.
+
+    Every name and shape is checked against the headers (`check_weights`) before any data is read. Tensors then
+    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are cast
+    and moved, so no full-precision copy of the model ever sits in host memory.
+    """
+    sources = check_weights(model, checkpoint_dir, layout)
     by_file: dict[Path, list[str]] = {}
     ours_of: dict[str, str] = {}
     for ours, (path, key) in sources.items():
@@ -194,7 +270,7 @@ def load_weights(model: Pi05Model, checkpoint_dir: Path, dtype: torch.dtype, dev
     with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for key, tensor in read(by_file):
             ours = ours_of[key]
-            loaded[ours] = tensor.to(device=device, dtype=param_dtype(ours, dtype))
+            loaded[ours] = tensor.to(device=device, dtype=layout.param_dtype(ours, dtype))
             bar.update()
     model.load_state_dict(loaded, strict=True, assign=True)
     return model
@@ -206,13 +282,14 @@ def build_model(config: ModelConfig) -> Pi05Model:
         return Pi05Model(config)
 
 
-def random_lerobot_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Random float32 weights in the LeRobot layout (demo and benchmark checkpoints).
+def random_lerobot_state_dict(model: nn.Module, layout: WeightLayout, seed: int = 0,
+                              std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random float32 weights in the LeRobot layout for `model`'s parameters (its shapes only: it may
+    live on the meta device); demo and benchmark checkpoints.
 
     Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
     """
     gen = torch.Generator().manual_seed(seed)
-    model = Pi05Model(config)
     out = {}
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen) * std
@@ -220,7 +297,7 @@ def random_lerobot_state_dict(config: ModelConfig, seed: int = 0, std: float = 0
             value = 1.0 + noise
         else:
             value = noise
-        out[to_lerobot_name(name)] = value.contiguous()
+        out[layout.to_lerobot(name)] = value.contiguous()
     embed = out["model." + _PG + "language_model.embed_tokens.weight"]
     out["model." + LM_HEAD] = embed.clone()
     return out

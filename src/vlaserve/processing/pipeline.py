@@ -6,10 +6,12 @@ not config.json, is what the reference runs. Every step is either implemented he
 LeRobot 0.6.1 runs it, or the load is refused with a CheckpointError naming the step and its
 settings: a skipped step (a rename, a relative-action offset) gives a policy that runs and acts wrong.
 
-Pipeline order (LeRobot's `make_pi05_pre_post_processors`):
-  pre:  rename -> to_batch -> relative_actions -> normalizer -> pi05_prepare_state_tokenizer -> tokenizer -> device
-  post: unnormalizer -> absolute_actions -> device
-Both action conversions therefore work in raw (un-normalized) units.
+Pipeline order (LeRobot's `make_pi05_pre_post_processors`, `make_pi0_pre_post_processors`):
+  pi05 pre: rename -> to_batch -> relative_actions -> normalizer -> pi05_prepare_state_tokenizer -> tokenizer -> device
+  pi0 pre:  rename -> to_batch -> pi0_new_line -> tokenizer -> device -> relative_actions -> normalizer
+  post:     unnormalizer -> absolute_actions -> device
+In both, relative_actions comes before the normalizer, so both action conversions work in raw
+(un-normalized) units.
 
 OpenPI-converted checkpoints (`assets/*/norm_stats.json`, no processor files) get their quantile
 statistics and nothing else: OpenPI's data transforms (delta actions, ALOHA's joint flips, DROID's
@@ -35,26 +37,38 @@ log = logging.getLogger(__name__)
 PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor.json", "policy_postprocessor.json"
 STATE, ACTION = "observation.state", "action"
 
-# Each pipeline's steps in the reference's order, with the settings each may carry. A step may be
-# left out (older LeRobot saves have no relative/absolute steps) but never reordered: e.g. a
-# relative step after the normalizer would cache the normalized state.
-PRE_STEPS = {
+# Each pipeline's steps in the reference's order, per policy family (config.json's type), with the
+# settings each may carry. A step may be left out (older LeRobot saves have no relative/absolute
+# steps) but never reordered: e.g. a relative step after the normalizer would cache the normalized state.
+_SETTINGS = {
     "rename_observations_processor": {"rename_map"},
     "to_batch_processor": set(),
     "relative_actions_processor": {"enabled", "exclude_joints", "action_names"},
     "normalizer_processor": {"eps", "features", "norm_map", "normalize_observation_keys"},
     "pi05_prepare_state_tokenizer_processor_step": {"max_state_dim", "task_key", "include_state_in_prompt"},
+    "pi0_new_line_processor": set(),  # the prompt's final newline (processing/prompt.py build_pi0_prompt)
     "tokenizer_processor": {"tokenizer_name", "max_length", "task_key", "padding_side", "padding", "truncation"},
     "device_processor": {"device", "float_dtype"},
-}
-POST_STEPS = {
     "unnormalizer_processor": {"eps", "features", "norm_map", "normalize_observation_keys"},
     "absolute_actions_processor": {"enabled"},
-    "device_processor": {"device", "float_dtype"},
 }
-REQUIRED = {PREPROCESSOR: ("normalizer_processor", "pi05_prepare_state_tokenizer_processor_step",
-                           "tokenizer_processor"),
-            POSTPROCESSOR: ("unnormalizer_processor",)}
+
+
+def _steps(*names: str) -> dict[str, set]:
+    return {name: _SETTINGS[name] for name in names}
+
+
+PRE_STEPS = {  # LeRobot 0.6.1's make_pi05_pre_post_processors / make_pi0_pre_post_processors
+    "pi05": _steps("rename_observations_processor", "to_batch_processor", "relative_actions_processor",
+                   "normalizer_processor", "pi05_prepare_state_tokenizer_processor_step", "tokenizer_processor",
+                   "device_processor"),
+    "pi0": _steps("rename_observations_processor", "to_batch_processor", "pi0_new_line_processor",
+                  "tokenizer_processor", "device_processor", "relative_actions_processor", "normalizer_processor"),
+}
+POST_STEPS = _steps("unnormalizer_processor", "absolute_actions_processor", "device_processor")
+REQUIRED_PRE = {"pi05": ("normalizer_processor", "pi05_prepare_state_tokenizer_processor_step", "tokenizer_processor"),
+                "pi0": ("pi0_new_line_processor", "tokenizer_processor", "normalizer_processor")}
+REQUIRED_POST = ("unnormalizer_processor",)
 # Settings whose value decides the numbers and that we implement only as Pi0.5 writes them.
 FIXED_SETTINGS = {
     "pi05_prepare_state_tokenizer_processor_step": {"task_key": "task", "include_state_in_prompt": True},
@@ -156,7 +170,7 @@ def read_steps(checkpoint_dir: Path, file: str) -> list[Step]:
         name = entry.get("registry_name")
         if name is None:  # saved by class path: only registered steps are implemented here
             raise CheckpointError(f"{file} step {i} names the class {entry.get('class')!r} instead of a "
-                                  "registry_name; vlaserve implements only LeRobot's registered pi05 steps")
+                                  "registry_name; vlaserve implements only LeRobot's registered pi05 and pi0 steps")
         steps.append(Step(file, i, name, entry.get("config") or {}, entry.get("state_file")))
     return steps
 
@@ -171,13 +185,15 @@ def tokenizer_name_of(checkpoint_dir: Path) -> str | None:
     return None
 
 
-def _check_steps(steps: list[Step], file: str, known: dict[str, set]) -> dict[str, Step]:
+def _check_steps(steps: list[Step], file: str, known: dict[str, set], required: tuple[str, ...],
+                 policy_type: str) -> dict[str, Step]:
     order = list(known)
     by_name: dict[str, Step] = {}
     last = -1
     for step in steps:
         if step.name not in known:
-            raise step.refuse(f"unknown step; vlaserve implements {', '.join(order)}")
+            raise step.refuse(f"unknown step for a {policy_type} checkpoint; vlaserve implements "
+                              f"{', '.join(order)}")
         if step.name in by_name:
             raise step.refuse("appears twice")
         if order.index(step.name) < last:
@@ -190,9 +206,9 @@ def _check_steps(steps: list[Step], file: str, known: dict[str, set]) -> dict[st
             if setting in step.config and step.config[setting] != wanted:
                 raise step.refuse(f"{setting} must be {wanted!r}; other values are not implemented")
         by_name[step.name] = step
-    missing = [name for name in REQUIRED[file] if name not in by_name]
+    missing = [name for name in required if name not in by_name]
     if missing:
-        raise CheckpointError(f"{file} lacks the step(s) {missing} every pi05 checkpoint has")
+        raise CheckpointError(f"{file} lacks the step(s) {missing} every {policy_type} checkpoint has")
     if "device_processor" in by_name and by_name["device_processor"].config.get("float_dtype") not in FLOAT32_NAMES:
         raise by_name["device_processor"].refuse("casting inputs/outputs to another float dtype is not implemented")
     return by_name
@@ -240,8 +256,9 @@ def _state_normalizer(step: Step, checkpoint_dir: Path) -> Normalizer:
 
 
 def _load_lerobot(checkpoint_dir: Path, config: PolicyConfig) -> ProcessorPipeline:
-    pre = _check_steps(read_steps(checkpoint_dir, PREPROCESSOR), PREPROCESSOR, PRE_STEPS)
-    post = _check_steps(read_steps(checkpoint_dir, POSTPROCESSOR), POSTPROCESSOR, POST_STEPS)
+    kind = config.policy_type
+    pre = _check_steps(read_steps(checkpoint_dir, PREPROCESSOR), PREPROCESSOR, PRE_STEPS[kind], REQUIRED_PRE[kind], kind)
+    post = _check_steps(read_steps(checkpoint_dir, POSTPROCESSOR), POSTPROCESSOR, POST_STEPS, REQUIRED_POST, kind)
 
     rename_map = dict(pre["rename_observations_processor"].config.get("rename_map") or {}) \
         if "rename_observations_processor" in pre else {}

@@ -18,15 +18,18 @@ from ..model.pi05 import RTCGuidance, rtc_prefix_weights
 from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
 from .images import bytes_to_model_range, empty_image, prepare_image
 from .pipeline import ProcessorPipeline
-from .prompt import PromptTokenizer, build_prompt, discretize_state
+from .prompt import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 
 class Preprocessor:
+    """`family` (vlaserve.family.Family) says how the state reaches the model: in the prompt, or as a
+    model input of its own."""
+
     def __init__(self, config: PolicyConfig, pipeline: ProcessorPipeline, tokenizer: PromptTokenizer,
-                 prompt_buckets: tuple[int, ...] = ()):
-        self.config, self.pipeline, self.tokenizer = config, pipeline, tokenizer
+                 family, prompt_buckets: tuple[int, ...] = ()):
+        self.config, self.pipeline, self.tokenizer, self.family = config, pipeline, tokenizer, family
         self.normalization = pipeline.normalization
         self.state_norm = pipeline.state_normalizer.cut(config.state_dim)
         self.action_norm = pipeline.action_unnormalizer.cut(config.action_dim)
@@ -67,8 +70,7 @@ class Preprocessor:
         slots += [blank] * (len(c.cameras) - len(present))
 
         normalized_state = self.state_norm.normalize(obs.state)
-        bins = discretize_state(normalized_state)
-        prompt = build_prompt(obs.task, bins)
+        prompt, bins = self.family.prompt(obs.task, normalized_state)
         tokenized = self.tokenizer(prompt, c.max_token_len)
         request.prepared = PreparedObservation(
             images=torch.stack(slots), image_mask=torch.tensor([cam in present for cam in slot_cameras]),
@@ -123,7 +125,12 @@ class Preprocessor:
             longest = int(token_mask.sum(1).max())
             length = next(b for b in self.prompt_buckets if b >= longest)
             tokens, token_mask = tokens[:, :length].contiguous(), token_mask[:, :length].contiguous()
-        inputs = ModelInputs(torch.stack(images), torch.stack([p.image_mask for p in prepared]), tokens, token_mask)
+        state = None
+        if self.family.state_to_model:  # zero-padded after normalization, as the reference
+            state = torch.zeros(len(prepared), self.config.max_state_dim)
+            state[:, : self.config.state_dim] = torch.from_numpy(np.stack([p.normalized_state for p in prepared]))
+        inputs = ModelInputs(torch.stack(images), torch.stack([p.image_mask for p in prepared]), tokens, token_mask,
+                             state)
         noise = torch.stack([p.noise for p in prepared])
         rtc = None
         if any(p.rtc is not None for p in prepared):

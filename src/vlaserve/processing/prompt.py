@@ -1,7 +1,8 @@
 """Prompt building and tokenization.
 
 Pi0.5 sees the robot state only through its prompt: each normalized dimension is discretized
-into one of 256 bins and written as a number.
+into one of 256 bins and written as a number. Pi0 keeps the state out of the prompt (it reaches
+the model as a token of its own): its prompt is the raw task and a newline.
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ def clean_task(task: str) -> str:
 
 def build_prompt(task: str, state_bins: np.ndarray) -> str:
     return f"Task: {clean_task(task)}, State: {' '.join(str(int(b)) for b in state_bins)};\nAction: "
+
+
+def build_pi0_prompt(task: str) -> str:
+    """The raw task with a final newline (LeRobot's Pi0NewLineProcessor): no strip, no `_` or inner
+    newline replacement, and a task that already ends in a newline is left as it is."""
+    return task if task.endswith("\n") else task + "\n"
+
+
+# A family's prompt: (task, normalized state) -> (prompt, state bins, or None when the prompt carries no state).
+def pi05_prompt(task: str, normalized_state: np.ndarray) -> tuple[str, np.ndarray]:
+    bins = discretize_state(normalized_state)
+    return build_prompt(task, bins), bins
+
+
+def pi0_prompt(task: str, normalized_state: np.ndarray) -> tuple[str, None]:
+    return build_pi0_prompt(task), None
 
 
 @dataclass

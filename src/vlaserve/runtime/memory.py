@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.files import available_memory_bytes
-from ..checkpoint.weights import checkpoint_shapes, param_dtype
+from ..checkpoint.weights import PI05_LAYOUT, WeightLayout, checkpoint_shapes, layout_for
 from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig
 from ..errors import InsufficientMemory
 from .fast.buffers import BufferSpec
@@ -47,11 +47,12 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def counts_by_dtype(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, int]:
-    """Parameter counts per dtype under the serving dtype policy (weights.param_dtype)."""
+def counts_by_dtype(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                    layout: WeightLayout = PI05_LAYOUT) -> dict[str, int]:
+    """Parameter counts per dtype under the family's serving dtype policy (its fp32 set)."""
     counts: Counter = Counter()
     for name, shape in shapes.items():
-        counts[str(param_dtype(name, dtype)).removeprefix("torch.")] += math.prod(shape)
+        counts[str(layout.param_dtype(name, dtype)).removeprefix("torch.")] += math.prod(shape)
     return dict(counts)
 
 
@@ -94,7 +95,9 @@ def _kv_and_buffers_per_item(config: PolicyConfig, dtype: torch.dtype, graphs: b
     if not graphs:
         # Eager: the prefix's per-layer K/V, alive from the prefix pass to the last Euler step.
         return prefix_kv_bytes(config, dtype.itemsize)
-    return BufferSpec.of(config, 1, dtype).nbytes()  # the fast path's static buffers, per batch item
+    # The fast path's static buffers, per batch item (Pi0's carry its state token too).
+    state_dim = config.max_state_dim if config.policy_type == "pi0" else 0
+    return BufferSpec.of(config, 1, dtype, state_dim=state_dim).nbytes()
 
 
 def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> int:
@@ -126,8 +129,9 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     """
     device_bytes = host_bytes = 0
     layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
+    layout = layout_for(config.policy_type)
     for name, shape in shapes.items():
-        n = math.prod(shape) * param_dtype(name, dtype).itemsize
+        n = math.prod(shape) * layout.param_dtype(name, dtype).itemsize
         stack = next((prefix for prefix in STREAMED_PREFIXES if name.startswith(prefix)), None)
         if profile.offload and streamed(name, shape):
             host_bytes += n
@@ -211,7 +215,8 @@ def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torc
         return None
     budget = (given_budget(settings.memory_budget_bytes) if settings.memory_budget_bytes is not None
               else cuda_budget(device))
-    needed = check_fit(checkpoint_shapes(checkpoint_dir), config, dtype, settings.profile, settings.max_batch_size,
+    shapes = checkpoint_shapes(checkpoint_dir, layout_for(config.policy_type))
+    needed = check_fit(shapes, config, dtype, settings.profile, settings.max_batch_size,
                        budget, settings.fast_path and device.type == "cuda")
     log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", settings.memory_profile,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)

@@ -52,11 +52,13 @@ class EagerRunner:
             embs, pad_mask = self.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens,
                                                      inputs.token_mask)
             ctx = self.model.compute_prefix(embs, pad_mask)
+        self._ctx = ctx  # the prefix cache keeps the VLM K/V only, never the state token's
+        if inputs.state is not None:  # Pi0: the state token's K/V, once per call, joins the context
+            ctx = self.model.with_state(ctx, inputs.state)
         synchronize(self.device)
         t1 = time.perf_counter()
         actions = self.model.denoise(ctx, noise, num_steps, rtc)
         synchronize(self.device)
-        self._ctx = ctx
         return actions, {"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (time.perf_counter() - t1) * 1e3}
 
     def prefix_entry(self, i: int) -> PrefixEntry:
@@ -90,7 +92,7 @@ class Runtime:
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
         if runtime.fast_path and device.type == "cuda":
-            self._start_fast_path(model, background=runtime.warmup == "background")
+            self._start_fast_path(model, background=runtime.warmup == "background")  # both families
 
     def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
         from .fast.graphs import FastRunner

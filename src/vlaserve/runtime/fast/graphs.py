@@ -183,7 +183,8 @@ class FastRunner:
             noise = torch.randn_like(buf["noise"])
             for slots in range(cameras, 0, -1):
                 masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
-                inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"])
+                inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"],
+                                     buf.get("state"))
                 self.sample(inputs, noise, num_steps, None)
             rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
                               torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
