@@ -97,6 +97,9 @@ class VlaserveReplica:
 
 def build(options: dict, name: str | None = None):
     """The bound application for serve.run (options: cli.serve_options with the Ray keys)."""
-    from .options import deployment_options
+    from .options import RAY_OPTIONS, deployment_options
 
-    return VlaserveReplica.options(name=name or "VlaserveReplica", **deployment_options(options)).bind(options)
+    # The replicas get only serve's options: a change of a Ray key (scale, autoscaling) then leaves
+    # their constructor arguments equal, so Ray scales in place instead of replacing every replica.
+    serve_options = {k: v for k, v in options.items() if k not in RAY_OPTIONS}
+    return VlaserveReplica.options(name=name or "VlaserveReplica", **deployment_options(options)).bind(serve_options)
