@@ -63,6 +63,8 @@ def deployment_options(options: dict) -> dict:
     out = {
         "ray_actor_options": {"num_cpus": options["cpus_per_replica"], "num_gpus": gpus},
         "max_ongoing_requests": options["max_ongoing_requests"],
+        # Ray's own line per request costs the replica's event loop; --log-requests turns it on.
+        "logging_config": {"enable_access_log": bool(options["log_requests"])},
         # Drain: Ray waits for in-flight requests (polling every wait-loop period) up to the timeout.
         "graceful_shutdown_wait_loop_s": 0.5,
         "graceful_shutdown_timeout_s": options["drain_timeout_s"],
