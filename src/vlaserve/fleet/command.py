@@ -16,6 +16,8 @@ log = logging.getLogger("vlaserve")
 INSTALL_HINT = 'serve-ray needs Ray: pip install "vlaserve[ray]"'
 # Ray Serve reads its session-id header name from this variable, in its proxy, at import.
 SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
+# `vlaserve serve` options enforced by its own uvicorn protocol, which the Ray proxy replaces.
+PROXY_OWNED = ("max_connections", "header_timeout_s")
 
 
 def add_parser(commands, serve_options: dict) -> None:
@@ -63,6 +65,9 @@ def serve_ray_command(cli: dict) -> int:
     except ImportError:
         log.error("%s", INSTALL_HINT)
         return 2
+    for name in PROXY_OWNED:
+        if name in cli:
+            log.warning("--%s does not apply under Ray: Ray Serve's proxy owns the connections", name.replace("_", "-"))
     local = options["ray_address"] is None
     try:
         if local:
