@@ -252,3 +252,21 @@ def test_scale_down_drains_in_flight_requests_and_closes_idle_robots(fleet):
         ws.send(msgpack_numpy.packb(openpi_frame(make_observation(4), make_noise(4))))
         assert msgpack_numpy.unpackb(ws.recv())["actions"].shape == (HORIZON, 14)
         ws.close()
+
+
+@pytest.mark.skipif(os.environ.get("VLASERVE_RAY_AUTOSCALE_TEST") != "1",
+                    reason="~1 min more: set VLASERVE_RAY_AUTOSCALE_TEST=1")
+def test_autoscaling_follows_connected_robots(fleet):
+    """Autoscaling on ongoing requests (an open robot socket is one): 3 robots with a target of 1 per
+    replica bring a second replica (max 2); when they leave, the fleet shrinks back to 1."""
+    options = fleet_options({"checkpoint": str(fleet["golden"] / "checkpoint"), "device": "cpu", "dtype": "float32",
+                             "api_key": API_KEY, "cpus_per_replica": 0.5, "min_replicas": 1, "max_replicas": 2,
+                             "target_ongoing_requests": 1.0, "downscale_delay_s": 5.0})
+    serve.run(build(options), name=APP, route_prefix="/")
+    with httpx.Client(base_url=fleet["url"]) as http:
+        assert len(robots_by_replica(http, 8)) == 1
+        robots = [openpi_socket(fleet) for _ in range(3)]
+        wait_for(lambda: len(robots_by_replica(http, 8)) == 2, "scale up to 2 replicas")
+        for ws in robots:
+            ws.close()
+        wait_for(lambda: running_replicas() == 1 and len(robots_by_replica(http, 8)) == 1, "scale down to 1")
