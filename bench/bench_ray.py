@@ -184,7 +184,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20, help="sequential requests per route")
     ap.add_argument("--robots", type=int, default=4, help="concurrent robots for the throughput phase")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of the throughput phase")
-    ap.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ap.add_argument("--cpus-per-replica", type=float, default=None,
+                    help="CPUs per Ray replica, and torch threads of both servers (default: 1 on CPU, 8 on CUDA)")
     ap.add_argument("--serve-args", default="", help="more options for both servers, e.g. '--dtype float32'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -202,12 +203,15 @@ def main() -> None:
         checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
         checkpoint.mkdir(parents=True)
         write_checkpoint(checkpoint, fixture_dir("pi05_golden") / "checkpoint", ModelConfig.full_size(), args.device)
-    common = ["--device", args.device, *args.serve_args.split()]
+    if args.cpus_per_replica is None:
+        args.cpus_per_replica = 1.0 if args.device == "cpu" else 8.0
+    # Blocking warm-up for the baseline too: /healthz then means the CUDA graphs are captured, as a
+    # Ray replica's readiness does, so no eager call is timed.
+    common = ["--device", args.device, "--warmup", "blocking", *args.serve_args.split()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    if args.device == "cpu":
-        # The same torch threads in the baseline as in a Ray replica (Ray sets a replica's
-        # OMP_NUM_THREADS to its CPUs), so the difference is the serving path, not the arithmetic.
-        env["OMP_NUM_THREADS"] = str(max(1, int(args.cpus_per_replica)))
+    # The same torch threads in the baseline as in a Ray replica (Ray sets a replica's
+    # OMP_NUM_THREADS to its CPUs unless set), so the difference is the serving path, not the arithmetic.
+    env["OMP_NUM_THREADS"] = str(max(1, int(args.cpus_per_replica)))
     logs = Path(tempfile.mkdtemp(prefix="bench_ray-"))
     results = {"device": args.device, "checkpoint": str(checkpoint), "cpu_count": os.cpu_count(),
                "omp_num_threads": env.get("OMP_NUM_THREADS"), "args": vars(args), "runs": {}}
