@@ -54,7 +54,7 @@ class VlaserveReplica:
         # CUDA graphs are captured, whatever `warmup` the config file asks `vlaserve serve` for.
         runtime = dataclasses.replace(options["runtime"], warmup="blocking")
         checkpoint = options["checkpoint"] or demo_checkpoint()
-        self.policy = await asyncio.to_thread(Policy.from_pretrained, checkpoint, runtime, False)
+        self.policy = await asyncio.to_thread(Policy.from_pretrained, checkpoint, runtime, progress=False)
         if options["served_model_name"] is not None:
             self.policy.name = options["served_model_name"]
         self.settings = server_settings(options, runtime)
