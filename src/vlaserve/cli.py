@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         suffix = "" if default is None else f" (default: {default})"
         serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, metavar=metavar, help=text + suffix)
     serve.set_defaults(run=serve_command)
+    from .fleet.command import add_parser as add_serve_ray  # stdlib only: Ray is imported when it runs
+
+    add_serve_ray(commands, SERVE_OPTIONS)
 
     info = commands.add_parser(
         "info", help="describe a checkpoint without loading its weights",
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(vars(args))
 
 
-def read_config_file(path: str) -> dict:
+def read_config_file(path: str, extra_keys: tuple[str, ...] = ()) -> dict:
+    """The file's options, checked; `extra_keys` (another command's, e.g. serve-ray's Ray keys) are
+    passed through unchecked for that command to check."""
     try:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
@@ -135,7 +140,9 @@ def read_config_file(path: str) -> dict:
     options = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name in SERVE_OPTIONS:
+        if name in extra_keys:
+            pass
+        elif name in SERVE_OPTIONS:
             kind = SERVE_OPTIONS[name][0]
             if kind is bool:
                 ok = isinstance(value, bool)
@@ -152,19 +159,21 @@ def read_config_file(path: str) -> dict:
             if not isinstance(value, dict) or not all(isinstance(v, str) or v is None for v in value.values()):
                 raise UsageError(f"config file {path}: camera_aliases must map keys to camera names (or null)")
         else:
-            known = ", ".join([*SERVE_OPTIONS, *CONFIG_ONLY_KEYS])
+            known = ", ".join([*SERVE_OPTIONS, *CONFIG_ONLY_KEYS, *extra_keys])
             raise UsageError(f"config file {path}: unknown option {key!r} (known: {known})")
         options[name] = value
     return options
 
 
-def serve_options(cli: dict) -> dict:
+def serve_options(cli: dict, extra: dict | None = None) -> dict:
     """Defaults, overridden by the config file, overridden by the command line; the runtime's
-    options are checked by RuntimeConfig (options["runtime"])."""
+    options are checked by RuntimeConfig (options["runtime"]). `extra`: another command's own
+    options and their defaults (serve-ray's Ray keys), also read from the file and the command line."""
+    extra = extra or {}
     options = {name: spec[1] for name, spec in SERVE_OPTIONS.items()}
-    options.update(checkpoint=None, camera_aliases=None)
+    options.update(checkpoint=None, camera_aliases=None, **extra)
     if "config" in cli:
-        options.update(read_config_file(cli["config"]))
+        options.update(read_config_file(cli["config"], tuple(extra)))
     options.update({k: v for k, v in cli.items() if k in options})
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port {options['port']} is out of range")

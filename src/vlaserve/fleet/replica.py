@@ -1,0 +1,105 @@
+"""The Ray Serve deployment: one replica = one Policy (one GPU, or CPU) behind the same FastAPI app
+as `vlaserve serve` (server.app.create_app), so routes, errors and metrics are the same."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from ray import serve
+
+from .labels import ReplicaLabels
+
+log = logging.getLogger("vlaserve.fleet")
+
+
+def server_settings(options: dict, runtime):
+    """The ServerSettings `vlaserve serve` builds from the same options (cli.serve_command)."""
+    from ..processing.layouts import camera_aliases
+    from ..server import ServerSettings
+
+    return ServerSettings(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
+                          max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
+                          camera_aliases=camera_aliases(options["camera_aliases"]),
+                          body_timeout_s=options["body_timeout_s"],
+                          allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",")
+                                                if o.strip()))
+
+
+def shutdown_started() -> bool:
+    """Whether Ray Serve has begun this replica's graceful shutdown. Ray offers the user code no hook
+    at that moment (only __del__, after the drain), so this reads the replica actor's own flag, and
+    says False if a Ray version lays it out differently (then websocket sessions are only closed
+    when Ray's drain timeout ends)."""
+    try:
+        from ray._private.worker import global_worker
+
+        return any(getattr(getattr(actor, "_replica_impl", None), "_shutting_down", False)
+                   for actor in global_worker.actors.values())
+    except Exception:  # noqa: BLE001 - private layout; absence only weakens the drain
+        return False
+
+
+@serve.deployment
+@serve.ingress()
+class VlaserveReplica:
+    async def __init__(self, options: dict):
+        from .. import Policy
+        from ..demo import demo_checkpoint
+        from ..processing.layouts import check_camera_aliases
+
+        logging.getLogger("vlaserve").setLevel(logging.INFO)
+        # Ready means ready: the constructor returns (and Ray routes to this replica) only once the
+        # CUDA graphs are captured, whatever `warmup` the config file asks `vlaserve serve` for.
+        runtime = dataclasses.replace(options["runtime"], warmup="blocking")
+        checkpoint = options["checkpoint"] or demo_checkpoint()
+        self.policy = await asyncio.to_thread(Policy.from_pretrained, checkpoint, runtime, progress=False)
+        if options["served_model_name"] is not None:
+            self.policy.name = options["served_model_name"]
+        self.settings = server_settings(options, runtime)
+        check_camera_aliases(self.settings.camera_aliases, self.policy.config.cameras)
+        self.drain_timeout_s = options["drain_timeout_s"]
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.service = None
+        self._drain_watch = None
+        log.info("replica %s ready: %s on %s", self.replica, self.policy.name, self.policy.metadata["device"])
+
+    def __serve_build_asgi_app__(self):
+        from ..server import create_app
+
+        app = create_app(self.policy, self.settings)
+        self.service = app.state.service
+        self._drain_watch = asyncio.get_running_loop().create_task(self._drain_sessions_on_shutdown())
+        return ReplicaLabels(app, self.replica)
+
+    async def _drain_sessions_on_shutdown(self) -> None:
+        """Ray counts an open websocket as an ongoing request until it closes, so a robot idling on
+        its socket would hold a draining replica until the timeout. When the shutdown starts, close
+        idle sessions with 1012 (the robot reconnects, to another replica) and let a session that is
+        mid-request send its answer first: the same drain as `vlaserve serve`."""
+        while not shutdown_started():
+            await asyncio.sleep(0.2)
+        log.info("replica %s draining its websocket sessions", self.replica)
+        await self.service.sessions.drain(self.drain_timeout_s)
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose check raises: a batcher that died takes the replica with it."""
+        batcher = self.service.batcher if self.service is not None else None
+        thread = getattr(batcher, "_thread", None)  # the inference thread every request waits on
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the inference thread has stopped")
+
+    async def __del__(self):
+        if self._drain_watch is not None:
+            self._drain_watch.cancel()
+
+
+def build(options: dict, name: str | None = None):
+    """The bound application for serve.run (options: cli.serve_options with the Ray keys)."""
+    from .options import RAY_OPTIONS, deployment_options
+
+    # The replicas get only serve's options: a change of a Ray key (scale, autoscaling) then leaves
+    # their constructor arguments equal, so Ray scales in place instead of replacing every replica.
+    serve_options = {k: v for k, v in options.items() if k not in RAY_OPTIONS}
+    return VlaserveReplica.options(name=name or "VlaserveReplica", **deployment_options(options)).bind(serve_options)
