@@ -197,17 +197,27 @@ def main() -> None:
         from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
         alone = WebsocketClientPolicy("127.0.0.1", port)
-        references, device_ms, totals = [], [], []
+        references, stages, totals, infer, walls = [], {}, [], [], []
         for obs in observations:  # each robot's answer alone: the reference
             references.append(alone.infer(obs)["actions"])
-        for _ in range(30):  # device time and server share at batch 1, same run
+        for _ in range(40):  # device time and where the server's own share goes, at batch 1, same run
+            t0 = time.perf_counter()
             out = alone.infer(observations[0])
-            device_ms.append(out["policy_timing"]["device_ms"])
+            walls.append((time.perf_counter() - t0) * 1e3)
+            for k, v in out["policy_timing"].items():
+                stages.setdefault(k, []).append(v)
+            infer.append(out["server_timing"]["infer_ms"])
             if "prev_total_ms" in out["server_timing"]:
                 totals.append(out["server_timing"]["prev_total_ms"])
-        results["batch1"] = {"device_p50_ms": statistics.median(device_ms),
-                             "server_total_p50_ms": statistics.median(totals),
-                             "server_share_p50_ms": statistics.median(totals) - statistics.median(device_ms)}
+        med = {k: statistics.median(v) for k, v in stages.items()}
+        total, device = statistics.median(totals), med["device_ms"]
+        results["batch1"] = {
+            "client_wall_p50_ms": statistics.median(walls), "device_p50_ms": device,
+            "server_total_p50_ms": total, "server_share_p50_ms": total - device,
+            # infer_ms: handler's submit -> result (prepare on a worker thread, queue, batch); the rest of
+            # the total is decoding the frame, building the request, encoding and sending the reply.
+            "breakdown_p50_ms": {**med, "infer": statistics.median(infer),
+                                 "decode_and_encode": total - statistics.median(infer)}}
         spread = min(float(np.abs(a - b).max()) for i, a in enumerate(references) for b in references[i + 1:])
         results["min_distance_between_robots"] = spread
         log("batch 1:", results["batch1"], "robots differ by >=", round(spread, 3))

@@ -22,3 +22,4 @@ def test_healthz_is_starting_until_the_runtime_is_ready(golden_policy):
         # The eager runner on the CPU captures nothing and never falls back.
         assert "vlaserve_ready 1.0" in metrics and "vlaserve_graph_captures 0.0" in metrics
         assert "vlaserve_uncaptured_calls 0.0" in metrics
+

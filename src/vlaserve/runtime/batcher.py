@@ -180,9 +180,12 @@ class Batcher:
                 log.exception("inference failed")
             _resolve(batch[0], error=error)
             return
-        self.clients.answered([p.request.client for p in batch], time.perf_counter())
+        done = time.perf_counter()
+        self.clients.answered([p.request.client for p in batch], done)
         for request, result in zip(batch, results):
             result.timings["queue_ms"] = (started - request.enqueued_at) * 1000.0
+            result.timings["run_ms"] = (done - started) * 1000.0
+            result.timings["done_at"] = done  # perf_counter seconds: the caller measures the hand-back
             if np.isfinite(result.actions).all():
                 _resolve(request, result=result)
             else:

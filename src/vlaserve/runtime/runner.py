@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 class Runner(Protocol):
     def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
-               prefix: list[PrefixEntry] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               prefix: list[PrefixEntry] | None = None,
+               vision_slots: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Model-space actions [B, H, A] on the device and {prefix_ms, denoise_ms}; with `prefix`
-        (one cached entry per item) the prefix pass is skipped."""
+        (one cached entry per item) the prefix pass is skipped; `vision_slots`: how many leading camera
+        slots any item uses (known on the host, so the device is never asked)."""
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry."""
@@ -41,8 +43,8 @@ class EagerRunner:
         self._ctx: PrefixContext | None = None
 
     @torch.no_grad()
-    def sample(self, inputs, noise, num_steps, rtc=None, prefix=None):
-        t0 = time.perf_counter()
+    def sample(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None):
+        t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked)
         if prefix is not None:
             kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
                   for layer in range(len(prefix[0].k))]
@@ -134,13 +136,15 @@ class Runtime:
         cache = self.prefix_cache
         keys = None if cache is None else [cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
                                                     inputs.token_mask[i]) for i in range(len(inputs.tokens))]
+        present = inputs.image_masks.any(0).tolist()  # on the host: no device round trip in `sample`
+        vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
         with self.device_lock:
             runner = self.runner
             if rtc is not None:
                 rtc = RTCGuidance(rtc.prev.to(self.device), rtc.weights.to(self.device), rtc.max_weight.to(self.device))
             inputs, noise = inputs.to(self.device), noise.to(self.device)
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
-            actions, stages = runner.sample(inputs, noise, num_steps, rtc, entries if hit else None)
+            actions, stages = runner.sample(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots)
             if cache is not None and not hit:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None:
