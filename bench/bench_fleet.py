@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_serve import free_port, log  # noqa: E402
+from bench_serve import free_port, log, wait_until_healthy  # noqa: E402
 from fixtures import fixture_dir  # noqa: E402
 
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
@@ -177,14 +177,7 @@ def main() -> None:
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     started = time.perf_counter()
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError("server exited:\n" + server.stdout.read()[-4000:])
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_until_healthy(server, port)
         results["ready_s"] = time.perf_counter() - started
         meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         results["metadata"] = {k: meta.get(k) for k in ("dtype", "device", "fast_path", "graph_captures", "graph_bytes",

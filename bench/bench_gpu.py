@@ -120,11 +120,10 @@ def per_item_max(a, b) -> float:
     return float((a.float() - b.float()).abs().flatten(1).max(1).values.mean())
 
 
-def build_lerobot(model, dtype: str):
-    """LeRobot 0.6.1's PI05 (eager) holding exactly our weights."""
+def lerobot_policy(policy_cls, config_cls, state: dict, dtype: str, fp32_modules: tuple[str, ...]):
+    """A LeRobot 0.6.1 policy (ALOHA-3 features) holding exactly `state` (LeRobot names), built on the
+    GPU in `dtype` with `fp32_modules` upcast as LeRobot keeps them."""
     from lerobot.configs.types import FeatureType, PolicyFeature
-    from lerobot.policies.pi05.configuration_pi05 import PI05Config
-    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
     feats = {f"observation.images.{c}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224))
              for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
@@ -133,18 +132,26 @@ def build_lerobot(model, dtype: str):
     torch.set_default_device("cuda")
     torch.set_default_dtype(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     try:
-        policy = PI05Policy(PI05Config(device="cuda", dtype=dtype, input_features=feats, output_features=out))
+        policy = policy_cls(config_cls(device="cuda", dtype=dtype, input_features=feats, output_features=out))
     finally:
         torch.set_default_dtype(torch.float32)
         torch.set_default_device(None)
-    for name in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
+    for name in fp32_modules:
         getattr(policy.model, name).float()
-    state = {to_lerobot_name(n): p for n, p in model.named_parameters()}
     missing, unexpected = policy.load_state_dict(state, strict=False)
     missing = [k for k in missing if "lm_head" not in k]
     if missing or unexpected:
         raise RuntimeError(f"lerobot load: missing {missing[:5]} unexpected {unexpected[:5]}")
     return policy.eval()
+
+
+def build_lerobot(model, dtype: str):
+    """LeRobot 0.6.1's PI05 (eager) holding exactly our weights."""
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    return lerobot_policy(PI05Policy, PI05Config, {to_lerobot_name(n): p for n, p in model.named_parameters()},
+                          dtype, ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"))
 
 
 def lerobot_sample(policy, inputs, noise):

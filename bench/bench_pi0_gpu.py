@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_gpu import log, maxdiff, per_item_max, time_cuda  # noqa: E402
+from bench_gpu import lerobot_policy, log, maxdiff, per_item_max, time_cuda  # noqa: E402
 from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.model.pi0 import Pi0Model  # noqa: E402
 from vlaserve.checkpoint.weights import PI0_LAYOUT  # noqa: E402
@@ -68,29 +68,12 @@ def eager(model, x, noise):
 
 def build_lerobot(model: Pi0Model, dtype: str):
     """LeRobot 0.6.1's PI0Policy holding exactly our weights."""
-    from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.pi0.configuration_pi0 import PI0Config
     from lerobot.policies.pi0.modeling_pi0 import PI0Policy
 
-    feats = {f"observation.images.{c}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224))
-             for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
-    feats["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(14,))
-    out = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(32,))}
-    torch.set_default_device("cuda")
-    torch.set_default_dtype(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    try:
-        policy = PI0Policy(PI0Config(device="cuda", dtype=dtype, input_features=feats, output_features=out))
-    finally:
-        torch.set_default_dtype(torch.float32)
-        torch.set_default_device(None)
-    for name in ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out"):
-        getattr(policy.model, name).float()
-    state = {PI0_LAYOUT.to_lerobot(n): p for n, p in model.named_parameters()}
-    missing, unexpected = policy.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "lm_head" not in k]
-    if missing or unexpected:
-        raise RuntimeError(f"lerobot load: missing {missing[:5]} unexpected {unexpected[:5]}")
-    return policy.eval()
+    return lerobot_policy(PI0Policy, PI0Config, {PI0_LAYOUT.to_lerobot(n): p for n, p in model.named_parameters()},
+                          dtype, ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in",
+                                  "action_time_mlp_out"))
 
 
 def lerobot_sample(policy, x, noise):

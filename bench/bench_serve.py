@@ -43,6 +43,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(server: subprocess.Popen, port: int) -> None:
+    """Polls /healthz until it answers 200; raises with the server's log if the process exits first."""
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError("server exited:\n" + server.stdout.read()[-4000:])
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+            return
+        except OSError:  # refused, or 503 while the runtime warms up
+            time.sleep(0.1)
+
+
 def observation(rng) -> dict:
     return {"observation/image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
             "observation/wrist_image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
@@ -99,14 +111,7 @@ def main() -> None:
                "--port", str(port), *args.serve_args.split()]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError("server exited:\n" + server.stdout.read()[-4000:])
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_until_healthy(server, port)
         results["process_to_healthz_s"] = time.perf_counter() - started
         rng = np.random.default_rng(0)
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)

@@ -93,16 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
     serve.add_argument("--demo", choices=tuple(DEMO_NAMES), help=DEMO_HELP)
     serve.add_argument("--config", metavar="FILE", help="JSON file with any of the options below, plus camera_aliases")
-    for name, (kind, default, metavar, text) in SERVE_OPTIONS.items():
-        if kind is bool:
-            serve.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true", help=text)
-            continue
-        suffix = "" if default is None else f" (default: {default})"
-        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, metavar=metavar, help=text + suffix)
+    add_options(serve, SERVE_OPTIONS)
     serve.set_defaults(run=serve_command)
     from .fleet.command import add_parser as add_serve_ray  # stdlib only: Ray is imported when it runs
 
-    add_serve_ray(commands, SERVE_OPTIONS)
+    add_serve_ray(commands, SERVE_OPTIONS, add_options)
 
     info = commands.add_parser(
         "info", help="describe a checkpoint without loading its weights",
@@ -119,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     info.set_defaults(run=info_command)
     return parser
+
+
+def add_options(parser: argparse.ArgumentParser, options: dict[str, tuple[type, object, str, str]]) -> None:
+    """One --flag per option (name -> type, default, metavar, help); booleans are switches."""
+    for name, (kind, default, metavar, text) in options.items():
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action="store_true", help=text)
+            continue
+        suffix = "" if default is None else f" (default: {default})"
+        parser.add_argument(flag, dest=name, type=kind, metavar=metavar, help=text + suffix)
 
 
 def main(argv: list[str] | None = None) -> int:

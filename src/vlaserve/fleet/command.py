@@ -20,7 +20,8 @@ SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 PROXY_OWNED = ("max_connections", "header_timeout_s")
 
 
-def add_parser(commands, serve_options: dict) -> None:
+def add_parser(commands, serve_options: dict, add_options) -> None:
+    """`vlaserve serve-ray`: every serve option (added by the CLI's `add_options`) plus the Ray keys."""
     parser = commands.add_parser(
         "serve-ray", argument_default=argparse.SUPPRESS, help="serve replicas on Ray Serve (pip install vlaserve[ray])",
         description="Serve a Pi0.5 checkpoint from N replicas on Ray Serve, with the routes of `vlaserve serve`. "
@@ -28,13 +29,7 @@ def add_parser(commands, serve_options: dict) -> None:
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                         help="local directory or Hugging Face hub id; none: the built-in DEMO")
     parser.add_argument("--config", metavar="FILE", help="JSON file with serve's options and the Ray keys")
-    for name, (kind, default, metavar, text) in {**serve_options, **RAY_OPTIONS}.items():
-        flag = f"--{name.replace('_', '-')}"
-        if kind is bool:
-            parser.add_argument(flag, dest=name, action="store_true", help=text)
-        else:
-            suffix = "" if default is None else f" (default: {default})"
-            parser.add_argument(flag, dest=name, type=kind, metavar=metavar, help=text + suffix)
+    add_options(parser, {**serve_options, **RAY_OPTIONS})
     parser.set_defaults(run=serve_ray_command)
 
 
