@@ -491,13 +491,16 @@ def format_info(info: dict) -> str:
     ]
     memory = info["memory"]
     small, large = memory["batch_sizes"]
-    lines.append(f"{'profile':<11} {f'batch {small}':>10} {f'batch {large}':>10} {'host, pinned':>13}")
+    lines.append(f"{'profile':<11} {f'batch {small}':>10} {f'batch {large}':>10} {'host, pinned':>13} "
+                 f"{f'graphs at batch {large}':>18}")
     for name, p in memory["profiles"].items():
         first, second = p["estimates"]
         host = f"{first['host_pinned'] / gib:.2f} GiB" if first["host_pinned"] else "-"
         capped = "*" if second["batch_size"] < large else " "
+        # The CUDA fast path's share: static buffers for every batch size 1..N and the graphs' pool.
+        graphs = (second["kv_and_buffers"] + second["activations"]) / gib
         lines.append(f"{name:<11} {first['total'] / gib:>6.2f} GiB {second['total'] / gib:>6.2f} GiB{capped}"
-                     f"{host:>13}")
+                     f"{host:>13} {graphs:>14.2f} GiB")
     capped = [f"{name} runs batches of at most {p['max_graph_batch']}" for name, p in memory["profiles"].items()
               if p["max_graph_batch"] is not None and p["max_graph_batch"] < large]
     if capped:
@@ -505,6 +508,8 @@ def format_info(info: dict) -> str:
     limits = ", ".join(f"{name} {p['prefix_cache_entries']}" for name, p in memory["profiles"].items())
     lines.append(f"prefix cache (opt-in, not included): {memory['prefix_cache_entry_bytes'] / 2**20:.1f} MiB per "
                  f"entry; entries: {limits}")
+    lines.append(f"graphs: the CUDA fast path's static buffers (batches 1..{large}) and graph pool, captured at "
+                 "startup; included in the totals and in the startup memory check")
     return "\n".join(lines)
 
 

@@ -85,7 +85,8 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
     delta("state_normalized", np.stack([p.normalized_state for p in prepared]), t["expected.state_normalized"])
     for cam in m["cameras_config_order"]:
         slot = [p.slot_cameras.index(cam) for p in prepared]
-        delta(f"image.{cam}", torch.stack([p.images[s] for p, s in zip(prepared, slot)]), t[f"expected.image.{cam}"])
+        delta(f"image.{cam}", torch.stack([p.model_images()[s] for p, s in zip(prepared, slot)]),
+              t[f"expected.image.{cam}"])
         equal(f"image_mask.{cam}", torch.stack([p.image_mask[s] for p, s in zip(prepared, slot)]),
               t[f"expected.image_mask.{cam}"])
     exact["slot_order"] = all(

@@ -60,7 +60,8 @@ class Policy:
         family = family_of(config)
         pipeline = ProcessorPipeline.load(directory, config)
         tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))
-        preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets)
+        preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets,
+                                    defer_resize=device.type == "cuda")
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly

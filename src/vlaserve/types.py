@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidObservation, InvalidRequest
-from .processing.images import bytes_to_model_range
+from .processing.images import bytes_to_model_range, place_frames
 
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
@@ -158,6 +158,14 @@ class PreparedObservation:
     truncated: bool
     noise: torch.Tensor  # [H, max_action_dim] float32: given, seeded or drawn
     rtc: "PreparedRtc | None"
+    # Camera frames whose resize-with-pad runs on the device (slot, raw [3, H, W]: uint8, or float
+    # in [0, 1]); their slots in `images` hold a placeholder until then (ModelInputs.to).
+    pending: tuple[tuple[int, torch.Tensor], ...] = ()
+
+    def model_images(self) -> torch.Tensor:
+        """[N, 3, S, S] float32 in [-1, 1], pending resizes done here (on the host)."""
+        images = place_frames(self.images, self.pending) if self.pending else self.images
+        return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
 
 
 @dataclass(frozen=True)
@@ -199,10 +207,15 @@ class ModelInputs:
     tokens: torch.Tensor  # [B, L]
     token_mask: torch.Tensor  # [B, L]
     state: torch.Tensor | None = None  # [B, max_state_dim] float32, normalized and zero-padded (Pi0); None: Pi0.5
+    # Raw uint8 frames (item, slot, [3, H, W]) resized into `images` (uint8 then) on the device.
+    pending: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
     def to(self, device) -> "ModelInputs":
-        """Moves to `device`; uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
+        """Moves to `device`; pending frames are resized there, and uint8 images (kept as bytes by
+        `prepare`) become [-1, 1] floats there."""
         images = self.images.to(device, non_blocking=True)
+        if self.pending:
+            images = place_frames(images, [((item, slot), frame) for item, slot, frame in self.pending])
         if images.dtype == torch.uint8:
             images = bytes_to_model_range(images)
         state = None if self.state is None else self.state.to(device, non_blocking=True)

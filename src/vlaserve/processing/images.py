@@ -65,39 +65,72 @@ def resize_with_pad(image: torch.Tensor, target: int, round_to_bytes: bool) -> t
     return F.pad(resized, (left, target - new_w - left, top, target - new_h - top), value=0.0)
 
 
+def resize_bytes(frame: torch.Tensor, target: int) -> torch.Tensor:
+    """uint8 [3, H, W] -> uint8 [3, target, target] by resize-with-pad, rounded back to the byte grid
+    (OpenPI's semantics). The same torch operations on whichever device `frame` lives: the server
+    sends raw camera frames to the GPU and resizes them there."""
+    if frame.shape[1:] == (target, target):
+        return frame
+    # round() and clamp() leave integers in [0, 255]: exact in uint8.
+    return resize_with_pad(frame.float(), target, round_to_bytes=True).to(torch.uint8)
+
+
 def bytes_to_model_range(pixels: torch.Tensor) -> torch.Tensor:
     """uint8 pixels -> float32 in [-1, 1], by the same float32 operations wherever it runs."""
     return pixels.float() / 255.0 * 2.0 - 1.0
 
 
+def finish_frame(frame: torch.Tensor, target: int) -> torch.Tensor:
+    """A raw frame `prepare_image(defer_resize=True)` kept (uint8, or float in [0, 1]) -> [3, target,
+    target] float32 in [-1, 1]: what prepare_image returns for it, computed wherever `frame` lives."""
+    if frame.dtype == torch.uint8:
+        return bytes_to_model_range(resize_bytes(frame, target))
+    return resize_with_pad(frame, target, round_to_bytes=False) * 2.0 - 1.0
+
+
+def place_frames(images: torch.Tensor, frames) -> torch.Tensor:
+    """images [..., 3, S, S] (uint8 or float) with each (index, raw frame) of `frames` resized into
+    images[index], on images' device; a new tensor, uint8 only if images and every frame are."""
+    target = images.shape[-1]
+    if images.dtype == torch.uint8 and all(frame.dtype == torch.uint8 for _, frame in frames):
+        out = images.clone()
+        for index, frame in frames:
+            out[index] = resize_bytes(frame.to(images.device, non_blocking=True), target)
+        return out
+    out = bytes_to_model_range(images) if images.dtype == torch.uint8 else images.clone()
+    for index, frame in frames:
+        out[index] = finish_frame(frame.to(images.device, non_blocking=True), target)
+    return out
+
+
 def prepare_image(image, resolution: int, field: str, normalized: bool = False,
-                  keep_bytes: bool = False) -> torch.Tensor:
+                  keep_bytes: bool = False, defer_resize: bool = False) -> torch.Tensor:
     """Any accepted image -> [3, resolution, resolution] float32 in [-1, 1].
 
     keep_bytes: a uint8 image that needs no resize stays uint8 (4x less to copy to the GPU, where
-    `bytes_to_model_range` finishes the job bit-identically)."""
+    `bytes_to_model_range` finishes the job bit-identically). defer_resize (with keep_bytes): an
+    image of another size comes back unresized, [3, H, W] uint8 or float in [0, 1], for
+    `finish_frame` on the device."""
     chw = to_chw_tensor(image, field)
     if min(resized_shape(chw.shape[1], chw.shape[2], resolution)) < 1:
         raise InvalidObservation(field, f"an image of {chw.shape[1]}x{chw.shape[2]} is too elongated: resized to "
                                         f"fit {resolution}x{resolution}, a side would be 0 pixels")
-    if chw.dtype == torch.uint8 and keep_bytes and chw.shape[1:] == (resolution, resolution):
+    if chw.dtype == torch.uint8 and keep_bytes and (defer_resize or chw.shape[1:] == (resolution, resolution)):
         return chw
     if chw.dtype == torch.uint8:
         # OpenPI semantics: resized uint8 pixels are rounded back to the byte grid.
-        pixels = chw.float()
-        if pixels.shape[1:] != (resolution, resolution):
-            pixels = resize_with_pad(pixels, resolution, round_to_bytes=True)
-        unit = pixels / 255.0
-    else:
-        low, high = (-1.0, 1.0) if normalized else (0.0, 1.0)
-        if chw.numel() and (chw.min() < low or chw.max() > high):
-            hint = "" if normalized else "; pass images_normalized=true for images already in [-1, 1]"
-            raise InvalidObservation(field, f"float pixels must lie in [{low:g}, {high:g}]{hint}")
-        unit = (chw + 1.0) / 2.0 if normalized else chw
-        if unit.shape[1:] != (resolution, resolution):
-            unit = resize_with_pad(unit, resolution, round_to_bytes=False)
-        elif normalized:
-            return chw.clone()
+        return bytes_to_model_range(resize_bytes(chw, resolution))
+    low, high = (-1.0, 1.0) if normalized else (0.0, 1.0)
+    if chw.numel() and (chw.min() < low or chw.max() > high):
+        hint = "" if normalized else "; pass images_normalized=true for images already in [-1, 1]"
+        raise InvalidObservation(field, f"float pixels must lie in [{low:g}, {high:g}]{hint}")
+    unit = (chw + 1.0) / 2.0 if normalized else chw
+    if unit.shape[1:] != (resolution, resolution):
+        if keep_bytes and defer_resize:
+            return unit
+        unit = resize_with_pad(unit, resolution, round_to_bytes=False)
+    elif normalized:
+        return chw.clone()
     return unit * 2.0 - 1.0
 
 

@@ -31,10 +31,13 @@ class PrefixCache:
         self.hits = self.misses = 0
 
     def key(self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor,
-            token_mask: torch.Tensor) -> bytes:
-        """Per observation (no batch dimension), from the host tensors."""
+            token_mask: torch.Tensor, pending=()) -> bytes:
+        """Per observation (no batch dimension), from the host tensors; `pending`: its raw frames
+        still to be resized on the device, (slot, uint8 [3, H, W])."""
         h = hashlib.blake2b(self.namespace.encode(), digest_size=20)
-        for t in (images, image_mask, tokens, token_mask):
+        for slot, _ in pending:
+            h.update(f"pending{slot}".encode())
+        for t in (images, image_mask, tokens, token_mask, *(frame for _, frame in pending)):
             t = t.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())

@@ -20,6 +20,7 @@ from ..config import PolicyConfig, RuntimeConfig
 from ..model.pi05 import Pi05Model, PrefixContext, RTCGuidance
 from ..types import ModelInputs
 from .device import synchronize
+from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 
 log = logging.getLogger(__name__)
@@ -127,15 +128,21 @@ class Runtime:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         fast.warmup(range(1, self.settings.batch_limit + 1), self.config.num_inference_steps)
         self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
-        log.info("fast path: %d CUDA graphs captured for batches 1..%d in %.1f s, %.2f GiB of device memory",
-                 fast.captures, self.settings.batch_limit, time.perf_counter() - started, self.graph_bytes / 2**30)
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit)
+        log.info("fast path: %d CUDA graphs captured for batches 1..%d in %.1f s, %.2f GiB of device memory "
+                 "(the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
+                 self.settings.batch_limit, time.perf_counter() - started, self.graph_bytes / 2**30,
+                 (estimate.kv_and_buffers + estimate.activations) / 2**30)
 
     def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
             rtc: RTCGuidance | None) -> tuple[np.ndarray, dict[str, float]]:
         """Host batch in, model-space actions [B, H, A] (float32 numpy) and stage timings out."""
         cache = self.prefix_cache
-        keys = None if cache is None else [cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i],
-                                                    inputs.token_mask[i]) for i in range(len(inputs.tokens))]
+        keys = None if cache is None else [
+            cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i], inputs.token_mask[i],
+                      [(slot, frame) for item, slot, frame in inputs.pending if item == i])
+            for i in range(len(inputs.tokens))]
         present = inputs.image_masks.any(0).tolist()  # on the host: no device round trip in `sample`
         vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
         with self.device_lock:

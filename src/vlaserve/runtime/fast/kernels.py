@@ -8,10 +8,21 @@ follows each GEMM into the pass that reduces its partial sums:
            then a log-sum-exp merge
 - o, down: split-K GEMM -> reduce + gated residual + the next AdaRMS norm (one row per program)
 - gate_up: one GEMM with both halves in the same program -> GeGLU in the epilogue
+- action in/out: the fp32 projections between the expert and the Euler update, with the update
+           (and real-time chunking's guidance) in between: one kernel per step
 Partial sums are written, not atomically added, so results are bit-reproducible.
+
+On Hopper the expert kernels are launched with programmatic dependent launch (PDL): kernel k+1 is
+launched and its programs placed on the SMs while kernel k runs; each waits
+(`griddepcontrol.wait`) before its first load, so it still computes only after its predecessor
+has finished and written everything: PDL hides the launch, never changes a result. (Loading the
+first weight tile before the wait, or prefetching the weights into L2, was measured slower:
+docs/benchmarks.md, runs 27-28.)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,18 +33,34 @@ except ImportError:  # CPU-only installs: the fast path then uses stock kernels
     triton = None
 
 
+def interpreted() -> bool:
+    """TRITON_INTERPRET=1: Triton runs the kernels on the CPU (its interpreter; tests only)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
+    return triton is not None and (torch.cuda.is_available() or interpreted())
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _await_inputs(PDL: tl.constexpr):
+        # Wait for the previous kernel (its writes become visible), then let the next one be
+        # scheduled: at most two kernels are in flight, so everything before the previous one has
+        # finished when a kernel starts.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _await_inputs(PDL)
         acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
             ks = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
@@ -45,9 +72,11 @@ if triton is not None:
 
     @triton.jit
     def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
-                                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PDL: tl.constexpr):
         """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
-        and up halves of a GeGLU, or the two halves of RoPE pairs."""
+        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs)."""
+        _await_inputs(PDL)
         acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -61,12 +90,12 @@ if triton is not None:
 
     @triton.jit
     def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
-                                               BLOCK_R, BLOCK_N, BLOCK_K)
+                                               BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
@@ -78,11 +107,12 @@ if triton is not None:
     @triton.jit
     def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, R, eps,
                        SPLITS: tl.constexpr, N: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr):
+                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr):
         # One row per program: h += gate * delta (delta = sum of SPLITS partials, or one bf16 row),
         # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift).
         row = tl.program_id(0)
         cols = tl.arange(0, N)
+        _await_inputs(PDL)
         h = tl.load(h_ptr + row * N + cols).to(tl.float32)
         if HAS_DELTA:
             acc = tl.zeros((N,), dtype=tl.float32)
@@ -135,7 +165,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
                        k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
         # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
         pid = tl.program_id(0)
@@ -145,7 +175,7 @@ if triton is not None:
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
-                                                 BLOCK_R, BLOCK_N, BLOCK_K)
+                                                 BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
         hi = acc_hi.to(dt).to(tl.float32)
@@ -169,9 +199,10 @@ if triton is not None:
     @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
-                  k_batch_stride, q_batch_stride):
+                  k_batch_stride, q_batch_stride, PDL: tl.constexpr):
         # One program per action token: sum the split-K partials of its q/k/v row, rotate q and k.
         row = tl.program_id(0)
+        _await_inputs(PDL)
         b, tok = row // H, row % H
         n = (HQ + 2) * 2 * HALF
         heads = tl.arange(0, NQP)  # HQ query heads + k, padded to a power of two
@@ -209,15 +240,27 @@ if triton is not None:
         tl.store(v_ptr + b * k_batch_stride + tok * 2 * HALF + vd + HALF, v_hi.to(q_ptr.dtype.element_ty))
 
     @triton.jit
+    def _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale):
+        """One key tile of flash attention: running max m_i, denominator l_i, fp32 accumulator."""
+        scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+    @triton.jit
     def _mqa_split(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale,
                    q_batch_stride, kv_batch_stride, HQ: tl.constexpr, SPLITS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
+                   PDL: tl.constexpr):
         # Flash attention over one key range. Every query of an item shares the key bias [T], so
         # the mask costs a vector, not a matrix. DIRECT (one split): write the normalized output
         # token-major [B, H, HQ * D] for o_proj; else fp32 partials + log-sum-exp for _mqa_merge.
         pid_m, pid_s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         qs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
+        _await_inputs(PDL)
         q = tl.load(q_ptr + b * q_batch_stride + qs[:, None] * D + d[None, :], mask=qs[:, None] < NQ, other=0.0)
         m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -226,15 +269,9 @@ if triton is not None:
             ts = pid_s * T_SPLIT + t0 + tl.arange(0, BLOCK_T)
             inside = ts < T
             k = tl.load(k_ptr + b * kv_batch_stride + ts[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            bias = tl.load(bias_ptr + b * T + ts, mask=inside, other=-3.0e38)
-            scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
             v = tl.load(v_ptr + b * kv_batch_stride + ts[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_ptr.dtype.element_ty), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            bias = tl.load(bias_ptr + b * T + ts, mask=inside, other=-3.0e38)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale)
         if DIRECT:
             head, tok = qs // H, qs % H
             out = o_ptr + (b * H + tok[:, None]) * HQ * D + head[:, None] * D + d[None, :]
@@ -245,9 +282,11 @@ if triton is not None:
             tl.store(lse_ptr + (b * SPLITS + pid_s) * NQ + qs, m_i + tl.log(l_i), mask=qs < NQ)
 
     @triton.jit
-    def _mqa_merge(o_ptr, lse_ptr, out_ptr, NQ, H, HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
+    def _mqa_merge(o_ptr, lse_ptr, out_ptr, NQ, H, HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
+                   PDL: tl.constexpr):
         # One program per (batch, query); writes [B, H tokens, HQ * D] token-major for o_proj.
         pid = tl.program_id(0)
+        _await_inputs(PDL)
         b, q = pid // NQ, pid % NQ
         d = tl.arange(0, D)
         splits = tl.arange(0, SPLITS)
@@ -259,14 +298,76 @@ if triton is not None:
         tl.store(out_ptr + (b * H + tok) * HQ * D + head * D + d, merged.to(out_ptr.dtype.element_ty))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _action_step(y_ptr, x_ptr, x_out_ptr, h_ptr, w_out_ptr, b_out_ptr, w_in_ptr, b_in_ptr, prev_ptr,
+                     rtc_w_ptr, guide_ptr, R, H, dt, t, W: tl.constexpr, A: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, W_PER: tl.constexpr, HAS_OUT: tl.constexpr,
+                     HAS_IN: tl.constexpr, HAS_RTC: tl.constexpr, PDL: tl.constexpr):
+        # Between two expert passes, in fp32 as the eager path: v = y @ W_out^T + b_out (y the
+        # final-normed expert output), RTC guidance on v, x_out = x + dt * v, then the next step's
+        # h = bf16(x_out @ W_in^T + b_in). Program (i, j) owns rows block i and h's columns
+        # [j * W_PER, (j + 1) * W_PER); every j recomputes its rows' v (the same code, so the same
+        # bits) rather than waiting for one program to, and j == 0 writes x_out (x and x_out are
+        # two buffers: no program can see another's update).
+        pid_r, pid_w = tl.program_id(0), tl.program_id(1)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = rows[:, None] < R
+        a = tl.arange(0, A)
+        _await_inputs(PDL)
+        x = tl.load(x_ptr + rows[:, None] * A + a[None, :], mask=live, other=0.0)
+        if HAS_OUT:
+            v = tl.zeros((BLOCK_R, A), dtype=tl.float32)
+            for k0 in range(0, W, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                y = tl.load(y_ptr + rows[:, None] * W + ks[None, :], mask=live, other=0.0).to(tl.float32)
+                w_out = tl.load(w_out_ptr + a[:, None] * W + ks[None, :])  # [A, BLOCK_K]
+                v += tl.sum(y[:, None, :] * w_out[None, :, :], axis=2)
+            v += tl.load(b_out_ptr + a)[None, :]
+            if HAS_RTC:
+                prev = tl.load(prev_ptr + rows[:, None] * A + a[None, :], mask=live, other=0.0)
+                weight = tl.load(rtc_w_ptr + rows, mask=rows < R, other=0.0)
+                guide = tl.load(guide_ptr + rows // H, mask=rows < R, other=0.0)
+                error = (prev - (x - t * v)) * weight[:, None]
+                v = v - guide[:, None] * error
+            x = x + dt * v
+            if pid_w == 0:
+                tl.store(x_out_ptr + rows[:, None] * A + a[None, :], x, mask=live)
+        if HAS_IN:
+            for w0 in range(pid_w * W_PER, (pid_w + 1) * W_PER, BLOCK_W):
+                ws = w0 + tl.arange(0, BLOCK_W)
+                w_in = tl.load(w_in_ptr + ws[None, :] * A + a[:, None])  # [A, BLOCK_W]
+                h = tl.sum(x[:, :, None] * w_in[None, :, :], axis=1) + tl.load(b_in_ptr + ws)[None, :]
+                tl.store(h_ptr + rows[:, None] * W + ws[None, :], h.to(h_ptr.dtype.element_ty), mask=live)
+
+
 # Launch configurations for the expert-step kernels (bench/bench_gpu.py --tune sweeps them).
 # Defaults: the winners of that sweep on an H200 (docs/benchmarks.md), timed with every layer's
-# weights in turn so that they stream from HBM as in a real step.
+# weights in turn so that they stream from HBM as in a real step. The GEMM configs hold for one
+# row tile (batch 1: 50 rows); "batched" ones for more rows (batch > 1), where each program
+# covers `block_r` rows so that a weight tile is read once per `block_r` rows, not once per 64.
 TUNING = {
-    "splitk": {"block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
-    "geglu": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
-    "qkv": {"block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
-    "attention": {"block_m": 32, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
+    "splitk": {"block_r": 64, "block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
+    "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
+    "qkv": {"block_r": 64, "block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
+    "attention": {"block_m": 64, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
+    # action_step up to max_rows rows (batch x horizon): at batch 1 it beats the eager ops (fp32
+    # cuBLAS + elementwise: 445 -> 269 us per call, run 28); from batch 2 on they are faster.
+    "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64},
+    "batched": {
+        # block_n None: the widest column tile (16..128) that still gives every SM a program
+        # across the row tiles (batch 8: 32 / 128 / 32, near run 28's sweep; batch 2: 16 / 32 / 16).
+        "splitk": {"block_r": 128, "block_n": None, "block_k": 64, "max_waves": 1, "stages": 4},
+        "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
+        "qkv": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
+    },
+    # The prefix's attention from this batch size on through SDPA (cuDNN / flash): it beats our
+    # one-split Triton kernel once the batch fills the GPU (run 26: 285 vs 402 us at batch 8; at
+    # batch 1 ours wins, 55 vs 70 us).
+    "prefix_sdpa_min_batch": 2,
+    # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
+    "pdl": None,
 }
 
 
@@ -274,17 +375,35 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _row_block(rows: int) -> int:
-    """Rows per program: all of them up to 64 (batch 1), else tiles of 64, the size the launch
-    configs were tuned (and their shared memory sized) for."""
-    return max(16, _pow2(min(rows, 64)))
+def pdl_enabled() -> bool:
+    if TUNING["pdl"] is not None:
+        return bool(TUNING["pdl"])
+    return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def gemm_config(n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, splits, BLOCK_K): split K until the grid fills about `max_waves` waves."""
-    cfg = TUNING["splitk"]
+def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[dict, int]:
+    """The launch config of GEMM family `name` for `rows` x `columns` outputs, and its rows per
+    program. One row tile (batch 1) has its own tuned config; more rows take 128-row tiles, so a
+    weight tile is read once per 128 rows, and column tiles sized for about `programs` programs
+    (one per SM of an H200's 132)."""
+    single = TUNING[name]
+    if rows <= single["block_r"]:
+        return single, max(16, _pow2(rows))
+    cfg = dict(TUNING["batched"][name])
+    block_r = cfg["block_r"]
+    if cfg["block_n"] is None:
+        wide = columns * -(-rows // block_r) // programs
+        cfg["block_n"] = min(128, max(16, 1 << max(wide, 1).bit_length() - 1))
+    cfg.setdefault("warps", 8 if cfg["block_n"] >= 64 else 4)
+    return cfg, block_r
+
+
+def gemm_config(n: int, k: int, rows: int = 64, num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, splits, BLOCK_K): split K until the grid (column tiles x row tiles x splits)
+    fills about `max_waves` waves."""
+    cfg, block_r = _launch("splitk", rows, n)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    tiles = (n + block_n - 1) // block_n
+    tiles = -(-n // block_n) * -(-rows // block_r)
     splits = 1
     while tiles * splits * 2 <= cfg["max_waves"] * num_sms and k % (splits * 2 * block_k) == 0:
         splits *= 2
@@ -295,13 +414,14 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
     r, k = x2d.shape
     n = w.shape[0]
-    block_n, splits, block_k = gemm_config(n, k)
+    cfg, block_r = _launch("splitk", r, n)
+    block_n, splits, block_k = gemm_config(n, k, r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
-    block_r = _row_block(r)
+    pdl = pdl_enabled()
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=TUNING["splitk"]["warps"],
-        num_stages=TUNING["splitk"]["stages"])
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
     return out
 
 
@@ -317,12 +437,12 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
-    cfg = TUNING["geglu"]
-    block_r = _row_block(r)
+    cfg, block_r = _launch("geglu", r, m)
+    pdl = pdl_enabled()
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
-        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["warps"],
-        num_stages=cfg["stages"])
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
     return out
 
 
@@ -333,10 +453,12 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
     """
     y = torch.empty_like(h2d)
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
+    pdl = pdl_enabled()
     _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
                                     scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
-                                    HAS_SHIFT=shift is not None, num_warps=4 if h2d.shape[1] <= 1024 else 8)
+                                    HAS_SHIFT=shift is not None, PDL=pdl,
+                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, launch_pdl=pdl)
     return y
 
 
@@ -373,18 +495,18 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     d = k_out.shape[-1]
     b = r // tokens
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
+    pdl = pdl_enabled()
     if w_qkv is not None:
-        cfg = TUNING["qkv"]
-        block_r = _row_block(r)
+        cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
-                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-                             num_warps=cfg["warps"], num_stages=cfg["stages"])
+                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+                             num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), num_warps=4)
+                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return q
 
 
@@ -402,15 +524,45 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, splits
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
+    pdl = pdl_enabled()
     if splits == 1:
-        _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5, q.stride(0),
-                         k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t, D=d,
-                         DIRECT=True, num_warps=warps, num_stages=stages)
+        _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5,
+                         q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
+                         D=d, DIRECT=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
-    _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5, q.stride(0),
-                     k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t, D=d,
-                     DIRECT=False, num_warps=warps, num_stages=stages)
-    _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, num_warps=4)
+    _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
+                     q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
+                     D=d, DIRECT=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, PDL=pdl, num_warps=4,
+                          launch_pdl=pdl)
     return out
+
+
+def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_out=None, b_out=None,
+                x_out: torch.Tensor | None = None, dt: float = 0.0, t: float = 0.0, rtc=None) -> None:
+    """fp32 x [R, A], bf16 h [R, W] (R = B * horizon). With `y` (the expert's output [R, W]):
+    x_out = x + dt * v, v = y @ w_out^T + b_out (with real-time chunking's guidance, rtc = (prev
+    [R, A], weights [R], guidance [B]) at time t); then, if `h` is given, h = x_out @ w_in^T + b_in
+    (x_out is x without `y`)."""
+    r, a = x.shape
+    width = w_in.shape[0] if w_in is not None else w_out.shape[1]
+    cfg = TUNING["action"]
+    block_r, block_w = cfg["block_r"], cfg["block_w"]
+    row_blocks = triton.cdiv(r, block_r)
+    # Split h's columns over programs until about `programs` of them run: more at batch 1 (few
+    # rows), none at large batches, where the recomputed v would cost more than it hides.
+    chunks = 1
+    while h is not None and chunks * 2 * block_w <= width and row_blocks * chunks * 2 <= cfg["programs"]:
+        chunks *= 2
+    pdl = pdl_enabled()
+    prev, weights, guidance = rtc if rtc is not None else (x, x, x)
+    horizon = r // guidance.shape[0] if rtc is not None else r
+    grid = (row_blocks, chunks)
+    _action_step[grid](
+        x if y is None else y, x, x if x_out is None else x_out, x if h is None else h,
+        x if w_out is None else w_out, x if b_out is None else b_out, x if w_in is None else w_in,
+        x if b_in is None else b_in, prev, weights, guidance, r, horizon, dt, t, W=width, A=a, BLOCK_R=block_r,
+        BLOCK_K=cfg["block_k"], BLOCK_W=block_w, W_PER=width // chunks, HAS_OUT=y is not None,
+        HAS_IN=h is not None, HAS_RTC=rtc is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)

@@ -46,6 +46,9 @@ class FastPi05:
     """Pi05Model's function over static buffers; every method is CUDA-graph safe, except the prefix
     when `layer_stream` (the offload profile's LayerOffload) streams its layers in."""
 
+    # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
+    FUSED_ACTION_IO = True
+
     def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None):
         self.model = model
         self.layer_stream = layer_stream
@@ -176,10 +179,20 @@ class FastPi05:
             q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
             if i == len(layers) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
-            attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, splits=1)
+            attn = self._prefix_attention(q, *kv, key_bias, b, plen)
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
             down = F.linear(kernels.geglu(F.linear(y, lw.gate_up)), lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
+
+    def _prefix_attention(self, q, k, v, key_bias, b: int, plen: int) -> torch.Tensor:
+        """MQA over the prefix: q [B, heads * P, D] head-major, k/v [B, P, D] -> [B, P, heads * D]."""
+        heads, d = self.vlm_dims.num_heads, self.vlm_dims.head_dim
+        if b < kernels.TUNING["prefix_sdpa_min_batch"]:
+            return kernels.mqa_attention(q, k, v, key_bias, heads, plen, splits=1)
+        mask = key_bias[:, None, None, :].to(q.dtype)
+        out = F.scaled_dot_product_attention(q.view(b, heads, plen, d), k[:, None], v[:, None], attn_mask=mask,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, plen, heads * d)
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):
@@ -257,6 +270,9 @@ class FastPi05:
         plen = pad.shape[1]
         geometry = self.action_geometry(pad, horizon, k_cache.shape[2])
         dt = -1.0 / len(sched.times)
+        fused = noise.shape[0] * horizon <= kernels.TUNING["action"]["max_rows"]
+        if self.FUSED_ACTION_IO and fused and self.use_triton and kernels.supported(self.expert_dims):
+            return self._denoise_fused(noise, sched, geometry, k_cache, v_cache, plen, dt, rtc)
         x = noise
         for step, t in enumerate(sched.times):
             v = self.velocity(x, step, sched, geometry, k_cache, v_cache, plen)
@@ -265,6 +281,26 @@ class FastPi05:
                 v = v - rtc.guidance[step][:, None, None] * error
             x = x + dt * v
         return x
+
+
+    def _denoise_fused(self, noise, sched, geometry, k_cache, v_cache, plen: int, dt: float, rtc):
+        """The Euler loop with the fp32 action projections, the update and RTC's guidance in one
+        kernel between expert passes (kernels.action_step); x alternates between two buffers."""
+        m = self.model
+        b, horizon, a = noise.shape
+        w_in, b_in = m.action_in_proj.weight, m.action_in_proj.bias
+        w_out, b_out = m.action_out_proj.weight, m.action_out_proj.bias
+        xs = (noise.reshape(b * horizon, a).clone(), torch.empty(b * horizon, a, device=noise.device))
+        h = torch.empty(b * horizon, w_in.shape[0], dtype=self.dtype, device=noise.device)
+        kernels.action_step(xs[0], h, w_in, b_in)
+        steps = len(sched.times)
+        for step, t in enumerate(sched.times):
+            y = self.expert_step(h.view(b, horizon, -1), step, sched, geometry, k_cache, v_cache, plen)
+            guidance = None if rtc is None else (rtc.prev.reshape(-1, a), rtc.weights.reshape(-1), rtc.guidance[step])
+            kernels.action_step(xs[step % 2], h if step + 1 < steps else None, w_in, b_in,
+                                y=y.reshape(b * horizon, -1), w_out=w_out, b_out=b_out, x_out=xs[(step + 1) % 2],
+                                dt=dt, t=t, rtc=guidance)
+        return xs[steps % 2].view(b, horizon, a)
 
 
 def _rms(x: torch.Tensor, weight1p: torch.Tensor, eps: float) -> torch.Tensor:

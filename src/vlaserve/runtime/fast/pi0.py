@@ -37,6 +37,8 @@ class PlainSchedule:
 
 
 class FastPi0(FastPi05):
+    FUSED_ACTION_IO = False  # Pi0 embeds actions through its action-time MLP (velocity below)
+
     def schedule(self, num_steps: int) -> PlainSchedule:
         if num_steps not in self._schedules:
             self._schedules[num_steps] = PlainSchedule(self.model, num_steps, self.model.action_in_proj.weight.device)

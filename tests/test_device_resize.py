@@ -1,0 +1,89 @@
+"""Camera frames of another size than the model's are resized where the batch runs (on a GPU server,
+the GPU: prepare keeps them raw and ModelInputs.to finishes them). The same torch operations run
+either way, so on one device the answers must be bit-identical to resizing during prepare."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import golden_dir
+from vlaserve.golden import GoldenCase, case_dirs, compare_case
+from vlaserve.processing.images import finish_frame, prepare_image
+
+CASES = case_dirs(golden_dir())
+
+
+@pytest.fixture
+def deferring(golden_policy):
+    golden_policy.preprocessor.defer_resize = True
+    yield golden_policy
+    golden_policy.preprocessor.defer_resize = False
+
+
+def _frames(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"base_0_rgb": rng.integers(0, 256, (480, 640, 3), dtype=np.uint8),  # needs a resize
+            "left_wrist_0_rgb": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),  # does not
+            "right_wrist_0_rgb": rng.integers(0, 256, (180, 320, 3), dtype=np.uint8)}
+
+
+@pytest.mark.parametrize("size", [(480, 640), (180, 320), (36, 72), (300, 200)])
+@pytest.mark.parametrize("dtype", ["uint8", "float"])
+def test_finished_frame_equals_the_host_resize(size, dtype):
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+    if dtype == "float":
+        image = image.astype(np.float32) / 255.0
+    host = prepare_image(image, 224, "images.cam")
+    raw = prepare_image(image, 224, "images.cam", keep_bytes=True, defer_resize=True)
+    assert raw.shape[1:] == size  # left for the device
+    assert torch.equal(finish_frame(raw, 224), host)
+
+
+def test_deferred_resize_gives_the_same_actions(golden_policy, deferring):
+    observations = [{"images": _frames(s), "state": np.full(14, 0.1 * s, np.float32), "task": "stack the cups"}
+                    for s in range(3)]
+    deferring.preprocessor.defer_resize = False
+    expected = [r.actions for r in deferring.infer_batch(observations, seeds=[1, 2, 3])]
+    deferring.preprocessor.defer_resize = True
+    request = deferring.request(observations[0])
+    prepared = deferring.prepare(request)
+    assert [slot for slot, _ in prepared.pending] == [0, 2]  # the two cameras that need a resize
+    got = [r.actions for r in deferring.infer_batch(observations, seeds=[1, 2, 3])]
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mixed_bytes_and_float_batch_resolves_on_the_host(golden_policy, deferring):
+    frames = _frames(7)
+    floats = {cam: (im.astype(np.float32) / 255.0) for cam, im in frames.items()}
+    observations = [{"images": frames, "state": np.zeros(14, np.float32), "task": "t"},
+                    {"images": floats, "state": np.zeros(14, np.float32), "task": "t"}]
+    got = deferring.infer_batch(observations, seeds=[0, 0])
+    deferring.preprocessor.defer_resize = False
+    want = deferring.infer_batch(observations, seeds=[0, 0])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.actions, b.actions)
+
+
+def test_prefix_cache_tells_deferred_frames_apart():
+    from vlaserve.runtime.prefix_cache import PrefixCache
+
+    cache = PrefixCache(4, "ns")
+    placeholder = torch.zeros(3, 3, 224, 224, dtype=torch.uint8)
+    mask, tokens, tmask = torch.ones(3, dtype=torch.bool), torch.ones(8, dtype=torch.long), torch.ones(8, dtype=torch.bool)
+    a = torch.zeros(3, 480, 640, dtype=torch.uint8)
+    b = a.clone()
+    b[0, 0, 0] = 1
+    keys = {cache.key(placeholder, mask, tokens, tmask, [(0, f)]) for f in (a, b)}
+    keys.add(cache.key(placeholder, mask, tokens, tmask, [(1, a)]))
+    keys.add(cache.key(placeholder, mask, tokens, tmask))
+    assert len(keys) == 4
+
+
+@pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
+def test_golden_cases_with_deferred_resize(deferring, case_dir):
+    """The golden resize cases (float frames of 180x320 and 480x640) resized in ModelInputs.to."""
+    exact, deltas = compare_case(deferring, GoldenCase.load(case_dir))
+    assert all(exact.values()), {k: v for k, v in exact.items() if not v}
+    assert max(deltas.values()) <= 1e-5, {k: d for k, d in deltas.items() if d > 1e-5}
