@@ -45,9 +45,10 @@ CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 WRONG_ANSWER = 0.25
 
 
-def robot_observation(robot: int, state_dim: int, horizon: int, max_action_dim: int) -> dict:
+def robot_observation(robot: int, state_dim: int, horizon: int, max_action_dim: int,
+                      frame: tuple[int, int] = (224, 224)) -> dict:
     rng = np.random.default_rng(1000 + robot)
-    obs = {f"observation.images.{c}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in CAMERAS}
+    obs = {f"observation.images.{c}": rng.integers(0, 256, (*frame, 3), dtype=np.uint8) for c in CAMERAS}
     obs["observation.state"] = rng.uniform(-1, 1, state_dim).astype(np.float32)
     obs["prompt"] = f"robot {robot}: pick up the red block"
     obs["noise"] = rng.standard_normal((horizon, max_action_dim)).astype(np.float32)
@@ -62,7 +63,7 @@ def percentile(values: list[float], q: float) -> float:
 def scrape(port: int) -> dict:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     out = {"batch_size_count": {}}
-    for name in ("vlaserve_graph_captures", "vlaserve_uncaptured_calls"):
+    for name in ("vlaserve_graph_captures", "vlaserve_uncaptured_calls", "vlaserve_padded_calls"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else None
     for le, count in re.findall(r'^vlaserve_batch_size_bucket\{le="([0-9.]+)"\} ([0-9.e+]+)$', text, re.M):
@@ -149,12 +150,14 @@ def main() -> None:
     ap.add_argument("--paced-robots", default="8,16")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--serve-args", default="--max-batch-size 8")
+    ap.add_argument("--frame", default="224x224", help="camera frame HxW (other than 224x224: resized by the server)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
 
     template = fixture_dir("pi05_golden") / "checkpoint"
-    results: dict = {"device": args.device, "serve_args": args.serve_args, "seconds": args.seconds}
+    results: dict = {"device": args.device, "serve_args": args.serve_args, "seconds": args.seconds,
+                     "frame": args.frame}
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint is None and args.device == "cuda":
         checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
@@ -181,11 +184,12 @@ def main() -> None:
         results["ready_s"] = time.perf_counter() - started
         meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         results["metadata"] = {k: meta.get(k) for k in ("dtype", "device", "fast_path", "graph_captures", "graph_bytes",
-                                                       "max_batch_size")}
+                                                       "graph_batches", "max_batch_size")}
         log("ready after", round(results["ready_s"], 1), "s:", results["metadata"])
         dims = (meta["state_dim"], meta["action_horizon"], meta["max_action_dim"])
         most = max(int(n) for n in args.robots.split(",") + args.paced_robots.split(","))
-        observations = [robot_observation(i, *dims) for i in range(most)]
+        frame = tuple(int(v) for v in args.frame.lower().split("x"))
+        observations = [robot_observation(i, *dims, frame=frame) for i in range(most)]
 
         from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -227,6 +231,7 @@ def main() -> None:
             level["batches"] = batch_histogram(before, after)
             level["captures_during"] = after["vlaserve_graph_captures"] - before["vlaserve_graph_captures"]
             level["uncaptured_during"] = after["vlaserve_uncaptured_calls"] - before["vlaserve_uncaptured_calls"]
+            level["padded_during"] = after["vlaserve_padded_calls"] - before["vlaserve_padded_calls"]
             results["levels"].append(level)
             log(f"{n:3d} robots {'back to back' if not hz else f'at {hz:g} Hz':>12}: {level['obs_per_s']:.1f} obs/s, "
                 f"p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} max {level['max_ms']:.1f} ms, batches "

@@ -204,6 +204,15 @@ PROFILES = {p.name: p for p in (
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
+GRAPH_BATCHES = ("all", "ladder")
+
+
+def graph_batch_sizes(mode: str, limit: int) -> tuple[int, ...]:
+    """The batch sizes whose CUDA graphs are captured at startup: every size up to `limit` ("all"),
+    or powers of two and `limit` itself ("ladder"; a batch then runs padded to the next size)."""
+    if mode == "all":
+        return tuple(range(1, limit + 1))
+    return tuple(sorted({1 << i for i in range(limit.bit_length()) if 1 << i < limit} | {limit}))
 
 
 def _option(default, metavar: str, help: str):
@@ -229,6 +238,9 @@ class RuntimeConfig:
     prompt_buckets: tuple[int, ...] = _option((), "L1,L2", "pad prompts only to the smallest of these token "
                                                            "lengths that fits (speed; docs/gpu.md)")
     tokenizer: str | None = _option(None, "PATH", "tokenizer directory or file, when the checkpoint has none")
+    graph_batches: str = _option("all", "SIZES", "CUDA graphs captured at startup: all (every batch size up to "
+                                                 "the limit) or ladder (1, 2, 4, 8: other sizes run padded to the "
+                                                 "next; less graph memory)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
 
@@ -245,6 +257,8 @@ class RuntimeConfig:
             (self.memory_profile in PROFILES,
              f"memory_profile must be one of {', '.join(PROFILES)}, not {self.memory_profile!r}"),
             (self.warmup in WARMUP_MODES, f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}"),
+            (self.graph_batches in GRAPH_BATCHES,
+             f"graph_batches must be one of {', '.join(GRAPH_BATCHES)}, not {self.graph_batches!r}"),
             (self.weights_loader in WEIGHT_LOADERS,
              f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}, not {self.weights_loader!r}"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
@@ -264,6 +278,10 @@ class RuntimeConfig:
         """The largest batch that runs: max_batch_size, capped by the profile's graph batch."""
         cap = self.profile.max_graph_batch
         return self.max_batch_size if cap is None else min(self.max_batch_size, cap)
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return graph_batch_sizes(self.graph_batches, self.batch_limit)
 
     @staticmethod
     def options() -> list:

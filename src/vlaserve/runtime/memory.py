@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoint.files import available_memory_bytes
 from ..checkpoint.weights import PI05_LAYOUT, WeightLayout, checkpoint_shapes, layout_for
-from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig
+from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig, graph_batch_sizes
 from ..errors import InsufficientMemory
 from .fast.buffers import BufferSpec
 from .offload import STREAMED_PREFIXES, streamed
@@ -121,11 +121,13 @@ def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> 
 
 
 def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
-                    profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True) -> MemoryEstimate:
+                    profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True,
+                    graph_batches: str = "all") -> MemoryEstimate:
     """Device bytes for serving batches of up to `batch_size` under `profile`.
 
     `shapes` maps our parameter names to shapes (weights.checkpoint_shapes, or a model's). `fast_path`:
-    whether the CUDA graph engine runs (on CUDA, unless the caller turned it off).
+    whether the CUDA graph engine runs (on CUDA, unless the caller turned it off); `graph_batches`:
+    which batch sizes it keeps buffers and graphs for (config.graph_batch_sizes).
     """
     device_bytes = host_bytes = 0
     layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
@@ -145,8 +147,8 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     graphs = fast_path  # under offload, too: only the prefix runs outside graphs there
     batch = min(batch_size, profile.max_graph_batch or batch_size)
     itemsize = dtype.itemsize
-    # The graph engine keeps buffers for every batch size it has run, 1..B; eager code only the current call's.
-    buffer_items = batch * (batch + 1) // 2 if graphs else batch
+    # The graph engine keeps buffers for every batch size it captured; eager code only the current call's.
+    buffer_items = sum(graph_batch_sizes(graph_batches, batch)) if graphs else batch
     return MemoryEstimate(
         profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,
         kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, dtype, graphs),
@@ -186,12 +188,12 @@ def cuda_budget(device: torch.device) -> DeviceBudget:
 
 def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
               profile: MemoryProfile, batch_size: int, budget: DeviceBudget,
-              fast_path: bool = True) -> MemoryEstimate:
+              fast_path: bool = True, graph_batches: str = "all") -> MemoryEstimate:
     """The estimate, if it fits `budget`; else InsufficientMemory naming the numbers and the profiles that fit."""
-    needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path)
+    needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path, graph_batches)
     if needed.total <= budget.usable:
         return needed
-    others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path) for p in PROFILES.values()
+    others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path, graph_batches) for p in PROFILES.values()
               if p is not profile]
     fitting = [e for e in others if e.total <= budget.usable]
     if fitting:
@@ -217,7 +219,7 @@ def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torc
               else cuda_budget(device))
     shapes = checkpoint_shapes(checkpoint_dir, layout_for(config.policy_type))
     needed = check_fit(shapes, config, dtype, settings.profile, settings.max_batch_size,
-                       budget, settings.fast_path and device.type == "cuda")
+                       budget, settings.fast_path and device.type == "cuda", settings.graph_batches)
     log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", settings.memory_profile,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
     check_host_fit(needed, available_memory_bytes())

@@ -122,17 +122,20 @@ class Runtime:
                  time.perf_counter() - started)
 
     def _warm_up(self, fast) -> None:
-        """Every graph the server will replay, captured before it is ready: batch sizes 1..the batch
-        limit, each camera layout, the checkpoint's step count, with and without RTC."""
+        """Every graph the server will replay, captured before it is ready: each batch size of
+        settings.graph_sizes (all up to the batch limit, or the ladder), each camera layout, the
+        checkpoint's step count, with and without RTC."""
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        fast.warmup(range(1, self.settings.batch_limit + 1), self.config.num_inference_steps)
+        sizes = self.settings.graph_sizes
+        fast.warmup(sizes, self.config.num_inference_steps)
         self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit)
-        log.info("fast path: %d CUDA graphs captured for batches 1..%d in %.1f s, %.2f GiB of device memory "
+        estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
+                                   graph_batches=self.settings.graph_batches)
+        log.info("fast path: %d CUDA graphs captured for batch sizes %s in %.1f s, %.2f GiB of device memory "
                  "(the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
-                 self.settings.batch_limit, time.perf_counter() - started, self.graph_bytes / 2**30,
+                 ",".join(map(str, sizes)), time.perf_counter() - started, self.graph_bytes / 2**30,
                  (estimate.kv_and_buffers + estimate.activations) / 2**30)
 
     def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
@@ -162,5 +165,6 @@ class Runtime:
         runner = self.runner
         return {"state": self.state, "fast_path": self.fast_path,
                 "graph_captures": getattr(runner, "captures", 0), "uncaptured_calls": getattr(runner, "uncaptured_calls", 0),
+                "padded_calls": getattr(runner, "padded_calls", 0), "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
                 "graph_bytes": self.graph_bytes,
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}

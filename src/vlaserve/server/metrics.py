@@ -29,7 +29,9 @@ class Metrics:
         """Gauges read from the runtime at each scrape: graphs captured (flat after ready) and calls that
         ran without a graph because their shape was not captured (another step count, a prompt bucket)."""
         for key, text in (("graph_captures", "CUDA graphs captured (all at startup; flat once ready)"),
-                          ("uncaptured_calls", "Calls served without a CUDA graph (shape not captured at startup)")):
+                          ("uncaptured_calls", "Calls served without a CUDA graph (shape not captured at startup)"),
+                          ("padded_calls", "Batches run padded to the next captured size (--graph-batches ladder)"),
+                          ("graph_bytes", "Device bytes the fast path's static buffers and graphs took at startup")):
             gauge = Gauge(f"vlaserve_{key}", text, registry=self.registry)
             gauge.set_function(lambda key=key: stats()[key])
         ready = Gauge("vlaserve_ready", "1 once the runtime serves with its final runner", registry=self.registry)

@@ -68,6 +68,8 @@ class FastRunner:
         self.frozen = False
         self.captures = 0
         self.uncaptured_calls = 0
+        self.padded_calls = 0  # batches run padded to the next captured size (graph_batches "ladder")
+        self._sizes: tuple[int, ...] = ()  # the batch sizes `warmup` captured
         self._denoise_graphs: dict[tuple, _Graph] = {}
 
     def buffers(self, b: int, token_len: int) -> dict:
@@ -137,6 +139,12 @@ class FastRunner:
         `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP)."""
         b, token_len = inputs.tokens.shape
+        target = next((s for s in self._sizes if s >= b), b) if self.frozen and b not in self._sizes else b
+        if target != b:  # a ladder: run at the next captured size, the last item repeated, and keep b rows
+            self.padded_calls += 1
+            p_inputs, p_noise, p_rtc, p_prefix = _padded(target, inputs, noise, rtc, prefix)
+            out, stages = self.sample(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
+            return out[:b], stages
         buf = self.buffers(b, token_len)
         graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
         if vision_slots is None:
@@ -189,4 +197,18 @@ class FastRunner:
             rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
                               torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
             self.sample(inputs, noise, num_steps, rtc)
+        self._sizes = tuple(sorted(batch_sizes))
         self.frozen = True
+
+
+def _padded(size: int, inputs: ModelInputs, noise, rtc: RTCGuidance | None, prefix):
+    """The batch grown to `size` rows by repeating its last item (its rows are computed and dropped;
+    the item repeated has a camera layout the batch already has, so vision_slots still holds)."""
+    def grow(t):
+        return None if t is None else torch.cat([t, t[-1:].expand(size - t.shape[0], *t.shape[1:])])
+
+    grown = ModelInputs(*(grow(t) for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask,
+                                            inputs.state)))
+    grown_rtc = None if rtc is None else RTCGuidance(grow(rtc.prev), grow(rtc.weights), grow(rtc.max_weight))
+    grown_prefix = None if prefix is None else list(prefix) + [prefix[-1]] * (size - len(prefix))
+    return grown, grow(noise), grown_rtc, grown_prefix
