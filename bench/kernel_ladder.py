@@ -45,17 +45,17 @@ HORIZON_ROWS = 50
 CAMERA_NAMES = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 # Candidates for batch > 1, scored by the sum of the batch-2, -4 and -8 denoise times; the first of
-# each list is the default (column tiles sized per batch by kernels._launch).
+# each list is the default (block_n None: column tiles sized per batch by kernels._launch).
 BATCHED_SWEEP = {
-    "splitk": [dict(block_r=128, block_n=None, block_k=64, max_waves=1, stages=4)]
+    "splitk": [dict(block_r=128, block_n=32, block_k=128, max_waves=1, warps=4, stages=4)]
               + [dict(block_r=r, block_n=n, block_k=k, max_waves=1, warps=w, stages=s)
-                 for r, n, k, w, s in [(128, 64, 64, 8, 4), (128, 32, 128, 4, 4), (128, 16, 64, 4, 4)]],
+                 for r, n, k, w, s in [(128, 64, 64, 8, 4), (128, None, 64, None, 4), (128, 16, 64, 4, 4)]],
     "geglu": [dict(block_r=128, block_n=None, block_k=64, stages=3)]
              + [dict(block_r=r, block_n=n, block_k=k, warps=w, stages=s)
                 for r, n, k, w, s in [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 32, 64, 4, 4)]],
-    "qkv": [dict(block_r=128, block_n=None, block_k=64, stages=3)]
+    "qkv": [dict(block_r=128, block_n=32, block_k=64, warps=8, stages=4)]
            + [dict(block_r=r, block_n=n, block_k=k, warps=w, stages=s)
-              for r, n, k, w, s in [(128, 64, 64, 8, 3), (128, 32, 64, 8, 4), (128, 16, 64, 4, 4)]],
+              for r, n, k, w, s in [(128, 64, 64, 8, 3), (128, None, 64, None, 3), (128, 16, 64, 4, 4)]],
 }
 BATCHES = (1, 2, 4, 8)
 # The launch configs before this ladder (runs 6-25).

@@ -356,11 +356,11 @@ TUNING = {
     # cuBLAS + elementwise: 445 -> 269 us per call, run 28); from batch 2 on they are faster.
     "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64},
     "batched": {
-        # block_n None: the widest column tile (16..128) that still gives every SM a program
-        # across the row tiles (batch 8: 32 / 128 / 32, near run 28's sweep; batch 2: 16 / 32 / 16).
-        "splitk": {"block_r": 128, "block_n": None, "block_k": 64, "max_waves": 1, "stages": 4},
+        # Run 29's sweep over batches 2, 4 and 8 (bench/kernel_ladder.py). block_n None: the widest
+        # column tile (16..128) that still gives every SM a program across the row tiles.
+        "splitk": {"block_r": 128, "block_n": 32, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
         "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
-        "qkv": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
+        "qkv": {"block_r": 128, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4},
     },
     # The prefix's attention from this batch size on through SDPA (cuDNN / flash): it beats our
     # one-split Triton kernel once the batch fills the GPU (run 26: 285 vs 402 us at batch 8; at
@@ -394,7 +394,8 @@ def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[di
     if cfg["block_n"] is None:
         wide = columns * -(-rows // block_r) // programs
         cfg["block_n"] = min(128, max(16, 1 << max(wide, 1).bit_length() - 1))
-    cfg.setdefault("warps", 8 if cfg["block_n"] >= 64 else 4)
+    if cfg.get("warps") is None:
+        cfg["warps"] = 8 if cfg["block_n"] >= 64 else 4
     return cfg, block_r
 
 
