@@ -126,10 +126,12 @@ class Runtime:
         settings.graph_sizes (all up to the batch limit, or the ladder), each camera layout, the
         checkpoint's step count, with and without RTC."""
         started = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # The allocator's reserved bytes: static buffers and graph pools live there (the device's free
+        # memory also moves with other processes and with blocks the allocator hands back).
+        reserved_before = torch.cuda.memory_reserved(self.device)
         sizes = self.settings.graph_sizes
         fast.warmup(sizes, self.config.num_inference_steps)
-        self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
                                    graph_batches=self.settings.graph_batches)
