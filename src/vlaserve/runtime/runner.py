@@ -126,11 +126,14 @@ class Runtime:
         settings.graph_sizes (all up to the batch limit, or the ladder), each camera layout, the
         checkpoint's step count, with and without RTC."""
         started = time.perf_counter()
-        # The allocator's reserved bytes: static buffers and graph pools live there (the device's free
-        # memory also moves with other processes and with blocks the allocator hands back).
+        # The allocator's reserved bytes, its unused cache returned first on both sides: what stays is
+        # the static buffers and the graphs' private pools (free device memory also moves with other
+        # processes and with what loading left cached).
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         sizes = self.settings.graph_sizes
         fast.warmup(sizes, self.config.num_inference_steps)
+        torch.cuda.empty_cache()
         self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
