@@ -186,7 +186,9 @@ class FastRunner:
         """Compiles the kernels and captures the graphs of every batch size in `batch_sizes`, every
         camera layout (how many leading slots are present), with and without RTC; then freezes."""
         cameras, horizon, width = len(self.config.cameras), self.config.action_horizon, self.config.model.max_action_dim
-        for b in batch_sizes:
+        # Largest first, as nano-vllm does: the graphs share one pool, and a smaller batch's tensors
+        # then fit in blocks a larger one freed (ascending, each size grew the pool anew: run 32).
+        for b in sorted(batch_sizes, reverse=True):
             buf = self.buffers(b, self.config.max_token_len)
             noise = torch.randn_like(buf["noise"])
             for slots in range(cameras, 0, -1):
