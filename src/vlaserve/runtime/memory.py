@@ -41,6 +41,9 @@ GIB = 2**30
 # streams), graph-pool and allocator rounding, fragmentation. Set from a measurement: the fast path's
 # peak at batch 1 (docs/benchmarks.md, 7.05 GiB) lies 0.43 GiB above the modelled terms; 0.75 GiB keeps
 # a margin over that. bench/bench_memory.py prints estimate and measured peak side by side to recheck.
+# The graphs' share: at batches 1..8 the static buffers and graph pool measured 1.96 GiB (ladder 1, 2,
+# 4, 8: 1.57 GiB) against 1.71 (1.31) GiB modelled below (run 33, captured largest batch first): the
+# headroom covers the 0.25 GiB.
 # (The CUDA context is outside the allocator and already missing from the free memory the check reads.)
 HEADROOM_BYTES = 768 * 2**20
 def gib(n: int) -> str:
