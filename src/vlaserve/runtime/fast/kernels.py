@@ -42,8 +42,12 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or interpreted())
 
 
-if triton is not None:
+try:  # Triton >= 3.4 (torch 2.11 ships 3.6)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+if triton is not None:
 
     @triton.jit
     def _await_inputs(PDL: tl.constexpr):
@@ -376,9 +380,16 @@ def _pow2(n: int) -> int:
 
 
 def pdl_enabled() -> bool:
+    if gdc_wait is None:
+        return False
     if TUNING["pdl"] is not None:
         return bool(TUNING["pdl"])
     return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch option a PDL kernel needs (only passed when on: older Triton has no such option)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[dict, int]:
@@ -422,7 +433,7 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
 
@@ -443,7 +454,7 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
         BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
 
@@ -459,7 +470,7 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
                                     scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
                                     HAS_SHIFT=shift is not None, PDL=pdl,
-                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, launch_pdl=pdl)
+                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, **_pdl_launch(pdl))
     return y
 
 
@@ -503,11 +514,11 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
                              BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-                             num_warps=cfg["warps"], num_stages=cfg["stages"], launch_pdl=pdl)
+                             num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, launch_pdl=pdl)
+                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return q
 
 
@@ -529,15 +540,15 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, splits
     if splits == 1:
         _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5,
                          q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
-                         D=d, DIRECT=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+                         D=d, DIRECT=True, PDL=pdl, num_warps=warps, num_stages=stages, **_pdl_launch(pdl))
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
     _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
-                     D=d, DIRECT=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+                     D=d, DIRECT=False, PDL=pdl, num_warps=warps, num_stages=stages, **_pdl_launch(pdl))
     _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, PDL=pdl, num_warps=4,
-                          launch_pdl=pdl)
+                          **_pdl_launch(pdl))
     return out
 
 
@@ -566,4 +577,4 @@ def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_o
         x if w_out is None else w_out, x if b_out is None else b_out, x if w_in is None else w_in,
         x if b_in is None else b_in, prev, weights, guidance, r, horizon, dt, t, W=width, A=a, BLOCK_R=block_r,
         BLOCK_K=cfg["block_k"], BLOCK_W=block_w, W_PER=width // chunks, HAS_OUT=y is not None,
-        HAS_IN=h is not None, HAS_RTC=rtc is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        HAS_IN=h is not None, HAS_RTC=rtc is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))

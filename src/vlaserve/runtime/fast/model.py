@@ -282,7 +282,6 @@ class FastPi05:
             x = x + dt * v
         return x
 
-
     def _denoise_fused(self, noise, sched, geometry, k_cache, v_cache, plen: int, dt: float, rtc):
         """The Euler loop with the fp32 action projections, the update and RTC's guidance in one
         kernel between expert passes (kernels.action_step); x alternates between two buffers."""
