@@ -87,3 +87,19 @@ def test_golden_cases_with_deferred_resize(deferring, case_dir):
     exact, deltas = compare_case(deferring, GoldenCase.load(case_dir))
     assert all(exact.values()), {k: v for k, v in exact.items() if not v}
     assert max(deltas.values()) <= 1e-5, {k: d for k, d in deltas.items() if d > 1e-5}
+
+
+@pytest.mark.parametrize("view", ["flipped", "read_only", "chw", "strided"])
+def test_uint8_frames_of_any_memory_layout_prepare_alike(view):
+    """uint8 frames become tensor views (one copy later, in the batch's stack); flipped (negative
+    strides), read-only (msgpack payloads), CHW and sliced arrays give the same pixels as a plain copy."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 256, (224, 448, 3), dtype=np.uint8)
+    image = {"flipped": base[::-1, ::2], "strided": base[:, ::2], "chw": np.ascontiguousarray(base[:, ::2].transpose(2, 0, 1)),
+             "read_only": base[:, ::2].copy()}[view]
+    if view == "read_only":
+        image.setflags(write=False)
+    expected = torch.from_numpy(np.ascontiguousarray(np.asarray(image if view == "chw" else image.transpose(2, 0, 1))))
+    got = prepare_image(image, 224, "images.cam", keep_bytes=True)
+    assert torch.equal(got, expected)
+    assert torch.equal(prepare_image(image, 224, "images.cam"), expected.float() / 255.0 * 2.0 - 1.0)

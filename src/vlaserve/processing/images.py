@@ -6,6 +6,8 @@ so explicitly (`normalized=True`); the range is never guessed from the values.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,8 @@ MAX_IMAGE_SIDE = 4096
 
 
 def to_chw_tensor(image, field: str) -> torch.Tensor:
-    """Validates layout and dtype; returns a [3, H, W] tensor (uint8 or float32), unscaled."""
+    """Validates layout and dtype; returns a [3, H, W] tensor (uint8: a view of `image`, possibly
+    strided and read-only; float32: its own copy), unscaled."""
     if isinstance(image, torch.Tensor):
         image = image.detach().cpu().numpy()
     image = np.asarray(image)
@@ -34,9 +37,14 @@ def to_chw_tensor(image, field: str) -> torch.Tensor:
         raise InvalidObservation(field, f"image sides must be at most {MAX_IMAGE_SIDE} pixels, "
                                         f"got {image.shape[1]}x{image.shape[2]}")
     if image.dtype == np.uint8:
-        if not image.flags.writeable:  # e.g. decoded from msgpack; torch wants to own writable memory
-            image = image.copy()
-        return torch.from_numpy(np.ascontiguousarray(image))
+        # A view, no copy: the batch's stack (or the resize) copies it once. Arrays decoded from
+        # msgpack are read-only views of the payload; nothing here writes into them (torch warns
+        # about that possibility once per process, so the warning is not shown).
+        if any(stride < 0 for stride in image.strides):  # e.g. a flipped array: torch takes no negative strides
+            image = np.ascontiguousarray(image)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(image)
     if image.dtype.kind != "f":
         raise InvalidObservation(field, f"expected uint8 or float pixels, got {image.dtype}")
     image = image.astype(np.float32, copy=not image.flags.writeable)

@@ -13,6 +13,8 @@ OpenPI `norm_stats.json` quantiles always add 1e-6 to the denominator instead.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +50,9 @@ class Normalizer:
         if missing:
             raise CheckpointError(f"{self.mode} normalization needs the statistics {missing}")
 
-    @property
+    @functools.cached_property
     def denom(self) -> np.ndarray:
-        """The span a range mode divides by, with its eps rule."""
+        """The span a range mode divides by, with its eps rule (computed once: the stats are fixed)."""
         low, high = (self.stats[s] for s in RANGE_STATS[self.mode])
         span = (high - low).astype(np.float32)
         if self.always_add_eps:

@@ -68,14 +68,17 @@ class Preprocessor:
         # Frames left unresized (defer_resize) are finished on the device; their slots hold the blank.
         pending = [(i, s) for i, s in enumerate(slots) if s.shape[1:] != (resolution, resolution)]
         if all(s.dtype == torch.uint8 for s in slots):
-            blank = torch.zeros(3, resolution, resolution, dtype=torch.uint8)  # byte 0 is -1, like empty_image
+            def blank():  # byte 0 is -1 in the model's range, like empty_image
+                return torch.zeros(3, resolution, resolution, dtype=torch.uint8)
         else:
             slots = [bytes_to_model_range(s) if s.dtype == torch.uint8 and s.shape[1:] == (resolution, resolution)
                      else s for s in slots]
-            blank = empty_image(resolution)
+
+            def blank():
+                return empty_image(resolution)
         for i, _ in pending:
-            slots[i] = blank
-        slots += [blank] * (len(c.cameras) - len(present))
+            slots[i] = blank()
+        slots += [blank() for _ in range(len(c.cameras) - len(present))]
 
         normalized_state = self.state_norm.normalize(obs.state)
         prompt, bins = self.family.prompt(obs.task, normalized_state)
