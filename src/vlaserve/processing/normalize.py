@@ -14,7 +14,6 @@ OpenPI `norm_stats.json` quantiles always add 1e-6 to the denominator instead.
 from __future__ import annotations
 
 import functools
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

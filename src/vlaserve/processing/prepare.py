@@ -30,8 +30,9 @@ class Preprocessor:
     def __init__(self, config: PolicyConfig, pipeline: ProcessorPipeline, tokenizer: PromptTokenizer,
                  family, prompt_buckets: tuple[int, ...] = (), defer_resize: bool = False):
         self.config, self.pipeline, self.tokenizer, self.family = config, pipeline, tokenizer, family
-        # uint8 frames of another size than the model's are resized where the batch runs (the GPU:
-        # ~2 ms of host time per 480x640 frame saved); on a CPU device here, in parallel threads.
+        # Frames of another size than the model's are resized where the batch runs (on a GPU: ~2 ms
+        # of host time per 480x640 frame saved); without it (a CPU device) here, during prepare,
+        # which the server runs on its worker threads.
         self.defer_resize = defer_resize
         self.normalization = pipeline.normalization
         self.state_norm = pipeline.state_normalizer.cut(config.state_dim)
@@ -67,18 +68,16 @@ class Preprocessor:
                                defer_resize=self.defer_resize) for cam in present]
         # Frames left unresized (defer_resize) are finished on the device; their slots hold the blank.
         pending = [(i, s) for i, s in enumerate(slots) if s.shape[1:] != (resolution, resolution)]
-        if all(s.dtype == torch.uint8 for s in slots):
-            def blank():  # byte 0 is -1 in the model's range, like empty_image
-                return torch.zeros(3, resolution, resolution, dtype=torch.uint8)
-        else:
+        bytes_only = all(s.dtype == torch.uint8 for s in slots)
+        if not bytes_only:
             slots = [bytes_to_model_range(s) if s.dtype == torch.uint8 and s.shape[1:] == (resolution, resolution)
                      else s for s in slots]
-
-            def blank():
-                return empty_image(resolution)
-        for i, _ in pending:
-            slots[i] = blank()
-        slots += [blank() for _ in range(len(c.cameras) - len(present))]
+        absent = len(c.cameras) - len(present)
+        if pending or absent:  # byte 0 is -1 in the model's range, like empty_image
+            blank = torch.zeros(3, resolution, resolution, dtype=torch.uint8) if bytes_only else empty_image(resolution)
+            for i, _ in pending:
+                slots[i] = blank
+            slots += [blank] * absent
 
         normalized_state = self.state_norm.normalize(obs.state)
         prompt, bins = self.family.prompt(obs.task, normalized_state)

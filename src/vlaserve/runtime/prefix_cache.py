@@ -33,7 +33,7 @@ class PrefixCache:
     def key(self, images: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor,
             token_mask: torch.Tensor, pending=()) -> bytes:
         """Per observation (no batch dimension), from the host tensors; `pending`: its raw frames
-        still to be resized on the device, (slot, uint8 [3, H, W])."""
+        still to be resized on the device, (slot, raw [3, H, W] frame)."""
         h = hashlib.blake2b(self.namespace.encode(), digest_size=20)
         for slot, _ in pending:
             h.update(f"pending{slot}".encode())
