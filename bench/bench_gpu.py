@@ -269,15 +269,15 @@ def tune_expert_kernels(model) -> dict:
         return triton.testing.do_bench_cudagraph(fn, rep=30) / n_layers
 
     families = {
-        "splitk": ([{"block_n": bn, "block_k": bk, "max_waves": mw, "warps": 4, "stages": st}
+        "splitk": ([{"block_r": 64, "block_n": bn, "block_k": bk, "max_waves": mw, "warps": 4, "stages": st}
                     for bn, bk, mw, st in itertools.product((32, 64), (128, 256), (1, 2, 4), (3, 4))],
                    lambda: [(kernels.linear_residual_norm(x_attn, wo, h, gate, ones, zeros, 1e-6),
                              kernels.linear_residual_norm(x_act, wd, h, gate, ones, zeros, 1e-6))
                             for wo, wd in zip(w_o, w_down)]),
-        "geglu": ([{"block_n": bn, "block_k": bk, "warps": 4, "stages": st}
+        "geglu": ([{"block_r": 64, "block_n": bn, "block_k": bk, "warps": 4, "stages": st}
                    for bn, bk, st in itertools.product((16, 32), (64, 128, 256), (3, 4, 5))],
                   lambda: [kernels.geglu_linear(x_w, wgu) for wgu in w_gu]),
-        "qkv": ([{"block_n": bn, "block_k": bk, "warps": wp, "stages": st}
+        "qkv": ([{"block_r": 64, "block_n": bn, "block_k": bk, "warps": wp, "stages": st}
                  for bn, bk, wp, st in itertools.product((16, 32), (64, 128, 256), (4,), (3, 4, 5))],
                 lambda: [kernels.qkv_rope_into_cache(x_w, cos, sin, k[:, :r], v[:, :r], hq, r, w_qkv=wq)
                          for wq, k, v in zip(w_qkv, kc, vc)]),

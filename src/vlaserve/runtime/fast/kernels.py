@@ -346,11 +346,12 @@ if triton is not None:
                 tl.store(h_ptr + rows[:, None] * W + ws[None, :], h.to(h_ptr.dtype.element_ty), mask=live)
 
 
-# Launch configurations for the expert-step kernels (bench/bench_gpu.py --tune sweeps them).
-# Defaults: the winners of that sweep on an H200 (docs/benchmarks.md), timed with every layer's
-# weights in turn so that they stream from HBM as in a real step. The GEMM configs hold for one
-# row tile (batch 1: 50 rows); "batched" ones for more rows (batch > 1), where each program
-# covers `block_r` rows so that a weight tile is read once per `block_r` rows, not once per 64.
+# Launch configurations for the expert-step kernels. Defaults: the winners of sweeps on an H200
+# (docs/benchmarks.md): the single-tile GEMMs from `bench/bench_gpu.py --tune` (each kernel timed
+# with every layer's weights in turn, so that they stream from HBM as in a real step), attention,
+# "batched" and "action" from `bench/kernel_ladder.py` (the whole denoise graph at batch 1-8). The
+# single-tile GEMM configs hold for one row tile (batch 1: 50 rows); "batched" ones for more rows,
+# where each program covers `block_r` rows so that a weight tile is read once per 128 rows.
 TUNING = {
     "splitk": {"block_r": 64, "block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
     "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
