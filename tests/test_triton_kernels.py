@@ -6,6 +6,7 @@ no bfloat16), through FastPi05 with Triton against FastPi05 with stock kernels (
 points, other summation orders) and against the float32 model.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -79,8 +80,6 @@ def test_triton_kernels_match_stock_kernels(batch, tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(batch)], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     report = json.loads(done.stdout.strip().splitlines()[-1])
     for name, r in report.items():
         # Triton and stock kernels round at the same points (fp16 here) and sum in other orders:
