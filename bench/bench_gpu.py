@@ -104,16 +104,24 @@ def ceilings():
     return {"bf16_gemm_tflops": 2 * 8192**3 / (t * 1e-3) / 1e12, "copy_tbps": 2 * x.numel() / (tc * 1e-3) / 1e12}
 
 
+def random_prefix_inputs(g, b: int, vocab: int, cameras: int = CAMERAS, tokens: int = TOKENS,
+                         valid: int = VALID_TOKENS):
+    """Images in [-1, 1] (every camera present) and prompts of `valid` random tokens padded to
+    `tokens`, drawn from generator g: (images, image_masks, tokens, token_mask) on the GPU."""
+    images = torch.rand(b, cameras, 3, 224, 224, device="cuda", generator=g) * 2 - 1
+    masks = torch.ones(b, cameras, dtype=torch.bool, device="cuda")
+    ids = torch.randint(3, vocab, (b, tokens), device="cuda", generator=g)
+    token_mask = torch.zeros(b, tokens, dtype=torch.bool, device="cuda")
+    token_mask[:, :valid] = True
+    ids[~token_mask] = 0
+    return images, masks, ids, token_mask
+
+
 def make_inputs(b: int, vocab: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    images = torch.rand(b, CAMERAS, 3, 224, 224, device="cuda", generator=g) * 2 - 1
-    masks = torch.ones(b, CAMERAS, dtype=torch.bool, device="cuda")
-    tokens = torch.randint(3, vocab, (b, TOKENS), device="cuda", generator=g)
-    token_mask = torch.zeros(b, TOKENS, dtype=torch.bool, device="cuda")
-    token_mask[:, :VALID_TOKENS] = True
-    tokens[~token_mask] = 0
+    prefix = random_prefix_inputs(g, b, vocab)
     noise = torch.randn(b, HORIZON, 32, device="cuda", generator=g)
-    return ModelInputs(images, masks, tokens, token_mask), noise
+    return ModelInputs(*prefix), noise
 
 
 def eager(model, inputs, noise):

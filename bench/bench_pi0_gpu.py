@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_gpu import lerobot_policy, log, maxdiff, per_item_max, time_cuda  # noqa: E402
+from bench_gpu import lerobot_policy, log, maxdiff, per_item_max, random_prefix_inputs, time_cuda  # noqa: E402
 from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.model.pi0 import Pi0Model  # noqa: E402
 from vlaserve.checkpoint.weights import PI0_LAYOUT  # noqa: E402
@@ -49,12 +49,7 @@ def random_pi0(dtype: torch.dtype) -> Pi0Model:
 
 def make_inputs(b: int, vocab: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    images = torch.rand(b, CAMERAS, 3, 224, 224, device="cuda", generator=g) * 2 - 1
-    masks = torch.ones(b, CAMERAS, dtype=torch.bool, device="cuda")
-    tokens = torch.randint(3, vocab, (b, TOKENS), device="cuda", generator=g)
-    token_mask = torch.zeros(b, TOKENS, dtype=torch.bool, device="cuda")
-    token_mask[:, :VALID_TOKENS] = True
-    tokens[~token_mask] = 0
+    images, masks, tokens, token_mask = random_prefix_inputs(g, b, vocab, CAMERAS, TOKENS, VALID_TOKENS)
     state = torch.zeros(b, STATE, device="cuda")
     state[:, :14] = torch.rand(b, 14, device="cuda", generator=g) * 2 - 1
     noise = torch.randn(b, HORIZON, 32, device="cuda", generator=g)

@@ -5,6 +5,8 @@ source tree is first on sys.path: run it once per tree and compare the saved act
     PYTHONPATH=src python3 bench/fast_path_actions.py after.pt --compare before.pt
 
 Random full-size weights (seed 0), the ALOHA-3 inputs of bench_gpu.py (seeded), batch 1, 2, 4, 8.
+The inputs are drawn here, as bench_gpu.make_inputs draws them, rather than imported from it:
+bench_gpu imports the current tree's API, which an older tree on sys.path does not have.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import golden_dir
-from vlaserve.golden import GoldenCase, case_dirs, compare_case
+from vlaserve.golden import FLOAT_TOLERANCE, GoldenCase, case_dirs, compare_case
 from vlaserve.processing.images import finish_frame, prepare_image
 
 CASES = case_dirs(golden_dir())
@@ -86,7 +86,8 @@ def test_golden_cases_with_deferred_resize(deferring, case_dir):
     """The golden resize cases (float frames of 180x320 and 480x640) resized in ModelInputs.to."""
     exact, deltas = compare_case(deferring, GoldenCase.load(case_dir))
     assert all(exact.values()), {k: v for k, v in exact.items() if not v}
-    assert max(deltas.values()) <= 1e-5, {k: d for k, d in deltas.items() if d > 1e-5}
+    # test_golden's tolerance (1e-5): float32 reimplementations agree to ~1e-6, bugs show >= 1e-3.
+    assert max(deltas.values()) <= FLOAT_TOLERANCE, {k: d for k, d in deltas.items() if d > FLOAT_TOLERANCE}
 
 
 @pytest.mark.parametrize("view", ["flipped", "read_only", "chw", "strided"])

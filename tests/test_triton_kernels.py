@@ -87,5 +87,8 @@ def test_triton_kernels_match_stock_kernels(batch, tmp_path):
         # own distance from float32 measures. A wrong index or mask gives errors of order `scale`.
         assert r["triton_vs_stock16"] <= 2 * r["stock16_vs_fp32"] + 1e-3, (name, r)
         assert r["triton_vs_fp32"] <= 2 * r["stock16_vs_fp32"] + 1e-3, (name, r)
+        # Prefix K/V: both paths round each value to fp16 (11 significant bits); the keys here lie
+        # within |4|, where one fp16 step is 2e-3 (what is observed): 2e-2 allows 10 steps.
         assert r["kv_triton_vs_stock16"] < 2e-2, (name, r)
+        # The reference itself must be sound: fp16 rounding moves the actions by well under 5%.
         assert r["stock16_vs_fp32"] < 0.05 * r["scale"], (name, r)
