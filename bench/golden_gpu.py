@@ -1,6 +1,7 @@
 """Every golden case of both families on the GPU, float32: the eager model (every recorded tensor) and
 the fast path (the actions), plus the fast path's prefix-cache hit against its miss (Pi0's state token
-is recomputed after a restore). One device call, seconds.
+is recomputed after a restore), and two batches enqueued back to back against each run alone. One
+device call, seconds.
 
     python3 bench/golden_gpu.py [--out DIR]
 """
@@ -36,11 +37,30 @@ def cache_hit_equals_miss(golden: Path) -> bool:
     return stats["hits"] >= 1 and all(np.array_equal(a.actions, b.actions) for a, b in zip(*runs))
 
 
+def overlapped_equals_serial(golden: Path) -> bool:
+    """Two batches of one size enqueued back to back (the second's inputs copied into the graph's
+    buffers while the first still runs), then waited for: bitwise the answers of running each alone."""
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False)
+    batches = []
+    for case_dir in case_dirs(golden)[:2]:
+        case = GoldenCase.load(case_dir)
+        batches.append([policy.request(o, noise=n) for o, n in zip(case.observations(), case.tensors["input.noise"])])
+    batches = [b[:1] for b in batches]  # one size, so both use the same static buffers and graphs
+    serial = [policy.run(b) for b in batches]
+    launched = [policy.launch(b) for b in batches]
+    overlapped = [b.finish() for b in launched]
+    return all(np.array_equal(x.actions, y.actions) for s, o in zip(serial, overlapped) for x, y in zip(s, o))
+
+
 def main() -> None:
     out = {}
     for name in ("pi05_golden", "pi0_golden"):
         golden = fixture_dir(name)
-        out[name] = {"cases": golden_check(golden), "prefix_cache_hit_equals_miss": cache_hit_equals_miss(golden)}
+        out[name] = {"cases": golden_check(golden), "prefix_cache_hit_equals_miss": cache_hit_equals_miss(golden),
+                     "overlapped_equals_serial": overlapped_equals_serial(golden)}
         log(name, json.dumps(out[name]))
     for d in filter(None, [ROOT / "bench" / "results", Path(os.environ["OUT"]) if os.environ.get("OUT") else None]):
         d.mkdir(parents=True, exist_ok=True)

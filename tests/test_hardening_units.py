@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -162,12 +163,13 @@ class _NaNForTask:
     def __init__(self):
         self.batches = []
 
-    def run(self, requests):
+    def launch(self, requests):
         from vlaserve.types import InferenceResult
 
         self.batches.append(len(requests))
-        return [InferenceResult(actions=np.full((50, 14), np.nan if r.observation.task == "bad" else 1.0, np.float32),
-                                model_actions=np.zeros((50, 32), np.float32), timings={}) for r in requests]
+        results = [InferenceResult(actions=np.full((50, 14), np.nan if r.observation.task == "bad" else 1.0, np.float32),
+                                   model_actions=np.zeros((50, 32), np.float32), timings={}) for r in requests]
+        return SimpleNamespace(finish=lambda: results, done=lambda: True)
 
 
 def test_row5_non_finite_actions_fail_only_their_own_request():

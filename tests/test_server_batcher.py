@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ class GatedPolicy:
         self.batches: list[tuple[list[str], int | None]] = []
         self.fail_on = set(fail_on)
 
-    def run(self, requests):
+    def launch(self, requests):
         tasks = [r.observation.task for r in requests]
         self.batches.append((tasks, requests[0].num_steps))
         if len(self.batches) == 1:
@@ -44,7 +45,7 @@ class GatedPolicy:
             self.gate.wait()
         if self.fail_on & set(tasks):
             raise RuntimeError("injected failure")
-        return self.policy.run(requests)
+        return self.policy.launch(requests)
 
 
 def submit(batcher: Batcher, policy, obs: dict, seed=None, num_steps=None):
@@ -159,3 +160,112 @@ def test_only_clients_due_back_are_waited_for():
     assert clients.due(1.001) == 0  # back: nothing to wait for
     clients.answered([None, "new"], 2.0)  # untracked and never-measured clients are never waited for
     assert clients.due(2.0) == 0
+
+
+def test_overlapped_and_serial_batching_give_the_same_answers(golden_policy):
+    """The same requests through the overlapped batcher and the one-batch-at-a-time one: identical
+    actions (the batches are the same, gated; only when each is formed and answered differs)."""
+    answers = {}
+    for overlap in (True, False):
+        gated = GatedPolicy(golden_policy)
+        batcher = Batcher(gated, max_batch_size=8, overlap=overlap)
+        requests = [{"obs": observation(i), "seed": i, "num_steps": 2} for i in range(4)]
+        try:
+            answers[overlap] = asyncio.run(_submit_while_gated(batcher, gated, requests))
+        finally:
+            batcher.close()
+        assert [tasks for tasks, _ in gated.batches] == [["task 0"], ["task 1", "task 2", "task 3"]]
+    for overlapped, serial in zip(answers[True], answers[False]):
+        np.testing.assert_array_equal(overlapped.actions, serial.actions)
+
+
+class AsyncDevice:
+    """A policy on a pretend asynchronous device: `launch` returns at once; a batch's `finish`
+    blocks until the test releases it (batches launched while `holding` are held). Each answer's
+    actions are its request's seed, and every batch reports DEVICE_MS of device time."""
+
+    DEVICE_MS = 500.0
+
+    def __init__(self):
+        self.batches: list[AsyncBatch] = []
+        self.lock = threading.Lock()
+        self.holding = False
+
+    def launch(self, requests):
+        with self.lock:
+            batch = AsyncBatch(requests, release=not self.holding)
+            self.batches.append(batch)
+        return batch
+
+    def release_all(self) -> None:
+        with self.lock:
+            self.holding = False
+            for batch in self.batches:
+                batch.release.set()
+
+    def launched(self, n: int, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.batches) >= n:
+                    return True
+            time.sleep(0.002)
+        return False
+
+
+class AsyncBatch:
+    def __init__(self, requests, release: bool):
+        self.requests, self.finished = requests, False
+        self.release = threading.Event()
+        if release:
+            self.release.set()
+
+    def done(self) -> bool:
+        return self.release.is_set()
+
+    def finish(self):
+        from vlaserve.types import InferenceResult
+
+        assert self.release.wait(10)
+        self.finished = True
+        return [InferenceResult(np.full((50, 14), r.seed, np.float32), np.zeros((50, 32), np.float32),
+                                {"device_ms": AsyncDevice.DEVICE_MS}) for r in self.requests]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap):
+    """Once batches of a size have been timed, the next batch is formed shortly before the running
+    one is due to finish (its predicted end), from everything queued by then, and launched behind
+    it; without overlap it waits for the answers. Nothing here depends on how fast the CI is: the
+    running batch finishes only when the test releases it."""
+    from vlaserve.types import Observation, Request
+
+    device = AsyncDevice()
+    batcher = Batcher(device, max_batch_size=8, overlap=overlap)
+
+    def request(seed: int) -> Request:
+        return Request(Observation({}, np.zeros(14, np.float32), f"task {seed}"), seed=seed)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = await batcher.submit(request(0))  # a batch of 1, timed: the clock learns its 500 ms
+        device.holding = True
+        running = asyncio.ensure_future(batcher.submit(request(1)))
+        assert await loop.run_in_executor(None, device.launched, 2)
+        queued = [asyncio.ensure_future(batcher.submit(request(s))) for s in (2, 3)]
+        # Overlap: launched ~500 ms after batch 2 (its predicted end), batch 2 still unreleased.
+        enqueued_behind = await loop.run_in_executor(None, device.launched, 3, 2.0 if overlap else 1.0)
+        still_running = not device.batches[1].finished
+        device.release_all()
+        return first, await running, await asyncio.gather(*queued), enqueued_behind, still_running
+
+    try:
+        first, running, queued, enqueued_behind, still_running = asyncio.run(scenario())
+    finally:
+        device.release_all()
+        batcher.close()
+    assert still_running
+    assert enqueued_behind == overlap
+    assert [[r.seed for r in b.requests] for b in device.batches] == [[0], [1], [2, 3]]
+    for seed, result in zip(range(4), [first, running, *queued]):
+        assert (result.actions == seed).all()  # each answer went to its own request

@@ -33,6 +33,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "log_requests": (bool, False, None, "log one INFO line per finished request: route, status, milliseconds"),
     "batch_delay_ms": (float, 0.0, "MS", "extra wait of a batch for company (0: a request runs as soon as the device "
                                          "is free, with everything queued meanwhile)"),
+    "serial_batches": (bool, False, None, "form the next batch only once the last is answered (default: enqueue it "
+                                          "on the device while the last one finishes; for measurement)"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),
@@ -270,32 +272,27 @@ def serve_command(cli: dict) -> int:
     import uvicorn
 
     from . import Policy
-    from .processing.layouts import camera_aliases, check_camera_aliases
+    from .processing.layouts import check_camera_aliases
     from .server import ServerSettings, create_app
     from .server.lifecycle import DrainingServer, guarded_http_protocol
 
     runtime = options["runtime"]
     try:
-        aliases = camera_aliases(options["camera_aliases"])
+        settings = ServerSettings.from_options(options, runtime)
         checkpoint = checkpoint_or_demo(options["checkpoint"], cli.get("demo"))
         policy = Policy.from_pretrained(checkpoint, runtime)
-        check_camera_aliases(aliases, policy.config.cameras)
+        check_camera_aliases(settings.camera_aliases, policy.config.cameras)
         if options["served_model_name"] is not None:
             policy.name = options["served_model_name"]
     except (VlaserveError, ValueError, OSError, UsageError) as e:
         log.error("%s", e)
         return 2
 
-    max_payload_bytes = int(options["max_payload_mb"] * 2**20)
+    max_payload_bytes = settings.max_payload_bytes
     if runtime.batch_limit < runtime.max_batch_size:
         # The batcher then never forms a batch that would run without CUDA graphs (and their bounded buffers).
         log.info("memory profile %s: batches of at most %d (max_batch_size %d lowered)", runtime.memory_profile,
                  runtime.batch_limit, runtime.max_batch_size)
-    settings = ServerSettings(api_key=options["api_key"], max_payload_bytes=max_payload_bytes,
-                              max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
-                              camera_aliases=aliases, body_timeout_s=options["body_timeout_s"],
-                              allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",")
-                                                    if o.strip()))
     app = create_app(policy, settings)
     log_startup(policy, options)
     protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]))

@@ -61,7 +61,7 @@ class Policy:
         pipeline = ProcessorPipeline.load(directory, config)
         tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))
         preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets,
-                                    defer_resize=device.type == "cuda")
+                                    defer_resize=device.type == "cuda", pin_memory=device.type == "cuda")
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
@@ -137,28 +137,44 @@ class Policy:
                          for o, z, s, r in zip(observations, per_item["noise"], per_item["seed"], per_item["rtc"])])
 
     def run(self, requests: list[Request]) -> list[InferenceResult]:
-        """Runs requests of one step count together (the batcher's call)."""
-        if not requests:
-            return []
+        """Runs requests of one step count together."""
+        return self.launch(requests).finish() if requests else []
+
+    def launch(self, requests: list[Request]) -> "LaunchedBatch":
+        """Collates requests of one step count and enqueues them on the device without waiting (the
+        batcher's call: it enqueues the next batch while this one runs); `finish()` waits for them."""
         steps = {r.num_steps or self.config.num_inference_steps for r in requests}
         if len(steps) != 1:
             raise InvalidRequest("num_steps", "requests of one batch must share the step count")
         started = time.perf_counter()
         inputs, noise, rtc = self.preprocessor.collate(requests)
         prepared = time.perf_counter()
-        model_np, stages = self.runtime.run(inputs, noise, steps.pop(), rtc)
+        launched = self.runtime.launch(inputs, noise, steps.pop(), rtc)
+        return LaunchedBatch(self, requests, launched, (prepared - started) * 1e3)
+
+
+class LaunchedBatch:
+    """A batch on its way through the device; `finish` waits for it and post-processes."""
+
+    def __init__(self, policy: Policy, requests: list[Request], launched, preprocess_ms: float):
+        self.policy, self.requests, self.launched, self.preprocess_ms = policy, requests, launched, preprocess_ms
+
+    def done(self) -> bool:
+        return self.launched.done()
+
+    def finish(self) -> list[InferenceResult]:
+        model_np, stages = self.launched.wait()
         post_start = time.perf_counter()
-        actions = self.preprocessor.postprocess(model_np, requests)
-        timings = {"preprocess_ms": (prepared - started) * 1e3, **stages,
-                   "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
-                   "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(requests)}
+        actions = self.policy.preprocessor.postprocess(model_np, self.requests)
+        timings = {"preprocess_ms": self.preprocess_ms, **stages, "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
+                   "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(self.requests)}
         return [InferenceResult(actions[i], model_np[i], dict(timings), self._warnings(r.prepared))
-                for i, r in enumerate(requests)]
+                for i, r in enumerate(self.requests)]
 
     def _warnings(self, prepared: PreparedObservation) -> list[str]:
         if prepared.truncated:
-            return [f"the prompt was cut at max_token_len tokens: its end ({self.preprocessor.family.prompt_end}) "
-                    "is missing"]
+            return [f"the prompt was cut at max_token_len tokens: its end "
+                    f"({self.policy.preprocessor.family.prompt_end}) is missing"]
         return []
 
 

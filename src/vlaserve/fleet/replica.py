@@ -14,19 +14,6 @@ from .labels import ReplicaLabels
 log = logging.getLogger("vlaserve.fleet")
 
 
-def server_settings(options: dict, runtime):
-    """The ServerSettings `vlaserve serve` builds from the same options (cli.serve_command)."""
-    from ..processing.layouts import camera_aliases
-    from ..server import ServerSettings
-
-    return ServerSettings(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
-                          max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
-                          camera_aliases=camera_aliases(options["camera_aliases"]),
-                          body_timeout_s=options["body_timeout_s"],
-                          allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",")
-                                                if o.strip()))
-
-
 def shutdown_started() -> bool:
     """Whether Ray Serve has begun this replica's graceful shutdown. Ray offers the user code no hook
     at that moment (only __del__, after the drain), so this reads the replica actor's own flag, and
@@ -48,6 +35,7 @@ class VlaserveReplica:
         from .. import Policy
         from ..demo import demo_checkpoint
         from ..processing.layouts import check_camera_aliases
+        from ..server import ServerSettings
 
         logging.getLogger("vlaserve").setLevel(logging.INFO)
         # Ready means ready: the constructor returns (and Ray routes to this replica) only once the
@@ -57,7 +45,7 @@ class VlaserveReplica:
         self.policy = await asyncio.to_thread(Policy.from_pretrained, checkpoint, runtime, progress=False)
         if options["served_model_name"] is not None:
             self.policy.name = options["served_model_name"]
-        self.settings = server_settings(options, runtime)
+        self.settings = ServerSettings.from_options(options, runtime)
         check_camera_aliases(self.settings.camera_aliases, self.policy.config.cameras)
         self.drain_timeout_s = options["drain_timeout_s"]
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -86,9 +74,8 @@ class VlaserveReplica:
     def check_health(self) -> None:
         """Ray restarts a replica whose check raises: a batcher that died takes the replica with it."""
         batcher = self.service.batcher if self.service is not None else None
-        thread = getattr(batcher, "_thread", None)  # the inference thread every request waits on
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError("the inference thread has stopped")
+        if batcher is not None and not batcher.alive:  # the threads every request waits on
+            raise RuntimeError("the inference threads have stopped")
 
     async def __del__(self):
         if self._drain_watch is not None:

@@ -1,10 +1,14 @@
 """Dynamic batching in front of a Policy: Requests in, InferenceResults out.
 
-One worker thread owns the policy (and so the device); asyncio handlers only enqueue and await.
-Continuous batching: when the device is idle a request runs at once; requests that arrive while a
-batch runs wait in the queue, and the moment it finishes everything queued (up to the batch limit,
-one step count) runs together. A batch of 8 costs far less than 8 calls. `batch_delay_ms` (default 0)
-is an optional extra wait for company after the first request of a batch.
+Two threads own the policy (and so the device); asyncio handlers only enqueue and await. The
+launch thread forms batches and enqueues them on the device; the completion thread waits for each,
+post-processes it and hands its results back. Continuous batching: when the device is idle a request
+runs at once; requests that arrive while a batch runs wait in the queue, and when it is about to
+finish everything queued (up to the batch limit, one step count) is enqueued behind it, so the
+device goes from one batch to the next without waiting for the host: the next batch's collation and
+host-to-device copies overlap the end of this one, and this one's results go back while the next
+runs. A batch of 8 costs far less than 8 calls. `batch_delay_ms` (default 0) is an optional extra
+wait for company after the first request of a batch. `overlap=False` runs one batch at a time.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class _Pending:
 
 
 _STOP = object()
+# The next batch is formed this long, plus the host's measured time to enqueue one, before the
+# running batch is predicted to finish: late enough that it takes everything queued by then, early
+# enough that its host work is done when the device frees.
+LAUNCH_MARGIN_S = 0.0005
 # How long a batch may wait for a client that is about to send its next request (its reply just went
 # out and it usually answers within its think time): without it, two robots back to back ping-pong at
 # batch size 1, each waiting out the other's whole batch. Only clients measured to come back that
@@ -88,9 +96,57 @@ class ReturningClients:
                        if c in self._think and abs(t + self._think[c] - now) <= COMPANY_WAIT_S)
 
 
+class DeviceClock:
+    """When the device will be done with everything launched, predicted from the device time of
+    earlier batches of the same size and step count (a shape never seen yet: not predicted, so the
+    next batch waits for it to finish), and how long the host takes to launch a batch."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._end: float | None = 0.0  # perf_counter seconds; None: not predictable
+        self._device_s: dict[tuple, float] = {}
+        self.launch_s = 0.0  # smoothed host time from forming a batch to its launch returning
+
+    def launched(self, shape: tuple, started: float, now: float, asynchronous: bool) -> None:
+        """A batch was enqueued between `started` and `now`. A launch that returned with its work
+        done (the eager model runs synchronously) leaves nothing to overlap: the next batch waits
+        for its answers, as without overlap."""
+        with self._cond:
+            cost = self._device_s.get(shape) if asynchronous else None
+            self._end = None if cost is None or self._end is None else max(now, self._end) + cost
+            self._in_flight += 1
+            if asynchronous:
+                self.launch_s = 0.8 * self.launch_s + 0.2 * (now - started) if self.launch_s else now - started
+
+    def finished(self, shape: tuple, device_ms: float | None) -> None:
+        with self._cond:
+            if device_ms is not None:
+                previous = self._device_s.get(shape)
+                cost = device_ms / 1e3
+                self._device_s[shape] = cost if previous is None else 0.7 * previous + 0.3 * cost
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._end = 0.0
+            self._cond.notify_all()
+
+    def await_turn(self) -> None:
+        """Returns once nothing is in flight, or the last launch is predicted to end within the
+        host's launch time plus LAUNCH_MARGIN_S (and at most one batch runs: none is queued behind it)."""
+        with self._cond:
+            while self._in_flight:
+                if self._in_flight == 1 and self._end is not None:
+                    wait = self._end - (self.launch_s + LAUNCH_MARGIN_S) - time.perf_counter()
+                    if wait <= 0:
+                        return
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
+
+
 class Batcher:
     def __init__(self, policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
-                 on_batch: Callable[[int], None] | None = None):
+                 on_batch: Callable[[int], None] | None = None, overlap: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if batch_delay_ms < 0:
@@ -99,13 +155,18 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.batch_delay_s = batch_delay_ms / 1000.0
         self.on_batch = on_batch
+        self.overlap = overlap
         self.clients = ReturningClients()
+        self.clock = DeviceClock()
         self._queue: queue.Queue = queue.Queue()
+        self._launched: queue.Queue = queue.Queue()  # (batch, LaunchedBatch, started) in launch order
         # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="vlaserve-inference", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="vlaserve-launch", daemon=True)
+        self._completer = threading.Thread(target=self._complete, name="vlaserve-complete", daemon=True)
         self._thread.start()
+        self._completer.start()
 
     async def submit(self, request: Request):
         """Runs one request; the result's `timings` gains `queue_ms`."""
@@ -119,19 +180,26 @@ class Batcher:
         return await request.future
 
     def close(self) -> None:
-        """Stops taking requests, finishes every queued one, then joins the worker."""
+        """Stops taking requests, finishes every queued one, then joins the threads."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._queue.put(_STOP)
         self._thread.join()
+        self._completer.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._completer.is_alive()
 
     def _run(self) -> None:
         # Requests that did not fit the current batch (another num_steps), in arrival order.
         held: collections.deque = collections.deque()
         while True:
+            self.clock.await_turn() if self.overlap else self._await_idle()
             first = held.popleft() if held else self._queue.get()
             if first is _STOP:
+                self._launched.put(_STOP)
                 return
             batch = [first]
             for request in list(held):
@@ -161,25 +229,69 @@ class Batcher:
                         break
             self._execute(batch)
 
+    def _await_idle(self) -> None:
+        """Without overlap: the next batch is formed only once the last one is answered."""
+        self._launched.join()
+
     def _execute(self, batch: list[_Pending]) -> None:
+        """Launches a batch and queues it for the completion thread; a batch that fails to launch
+        is split as `_settle` does."""
         started = time.perf_counter()
         if self.on_batch is not None:
             self.on_batch(len(batch))
         try:
-            results = self._infer(batch)
+            launched = self.policy.launch([p.request for p in batch])
         except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
-            if len(batch) > 1:
-                # One bad request must not fail the others: re-run each alone, so the good ones get
-                # their answers and only the culprit its error (logged once, by its own run).
-                log.warning("a batch of %d failed (%s); re-running its requests one by one", len(batch),
-                            type(error).__name__)
-                for request in batch:
-                    self._execute([request])
-                return
-            if not isinstance(error, InvalidInput):
-                log.exception("inference failed")
-            _resolve(batch[0], error=error)
+            self._failed(batch, error)
             return
+        self.clock.launched(self._shape(batch), started, time.perf_counter(), asynchronous=not launched.done())
+        self._launched.put((batch, launched, started))
+
+    def _complete(self) -> None:
+        while True:
+            item = self._launched.get()
+            try:
+                if item is _STOP:
+                    return
+                batch, launched, started = item
+                device_ms = None
+                try:
+                    results = launched.finish()
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"the policy returned {len(results)} results for {len(batch)} requests")
+                    device_ms = results[0].timings.get("device_ms")
+                except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
+                    self._failed(batch, error)
+                else:
+                    self._answer(batch, results, started)
+                finally:
+                    self.clock.finished(self._shape(batch), device_ms)
+            finally:
+                self._launched.task_done()
+
+    def _failed(self, batch: list[_Pending], error: Exception) -> None:
+        if len(batch) > 1:
+            # One bad request must not fail the others: re-run each alone, so the good ones get
+            # their answers and only the culprit its error (logged once, by its own run).
+            log.warning("a batch of %d failed (%s); re-running its requests one by one", len(batch),
+                        type(error).__name__)
+            for request in batch:
+                self._run_alone(request)
+            return
+        if not isinstance(error, InvalidInput):
+            log.exception("inference failed", exc_info=error)
+        _resolve(batch[0], error=error)
+
+    def _run_alone(self, request: _Pending) -> None:
+        started = time.perf_counter()
+        try:
+            results = self.policy.launch([request.request]).finish()
+        except Exception as error:  # noqa: BLE001
+            self._failed([request], error)
+            return
+        self._answer([request], results, started)
+
+    def _answer(self, batch: list[_Pending], results: list, started: float) -> None:
         done = time.perf_counter()
         self.clients.answered([p.request.client for p in batch], done)
         for request, result in zip(batch, results):
@@ -193,11 +305,9 @@ class Batcher:
                     "the model's actions for this request are not finite (NaN or inf); "
                     "its noise, RTC or state values are too extreme"))
 
-    def _infer(self, batch: list[_Pending]) -> list:
-        results = self.policy.run([p.request for p in batch])
-        if len(results) != len(batch):
-            raise RuntimeError(f"infer_batch returned {len(results)} results for {len(batch)} observations")
-        return results
+    @staticmethod
+    def _shape(batch: list[_Pending]) -> tuple:
+        return len(batch), batch[0].num_steps
 
 
 def _resolve(request: _Pending, result=None, error: Exception | None = None) -> None:

@@ -4,13 +4,19 @@ A runner turns a batch of model inputs into model-space actions. Two implement t
 `EagerRunner` (the reference model, any device) and `FastRunner` (fast/graphs.py: fused weights,
 Triton kernels, CUDA graphs). `Runtime` owns the one that serves (the eager runner until a
 background warm-up hands over to the fast one), the prefix cache both share, and the device lock.
+
+`Runtime.launch` only enqueues a batch (inputs in, graphs, actions back into host memory, all in
+stream order) and returns at once; `Launched.wait` blocks until that batch is done. So the host can
+prepare and enqueue batch k+1 while the device still runs batch k (runtime/batcher.py does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -26,25 +32,43 @@ from .prefix_cache import PrefixCache, PrefixEntry
 log = logging.getLogger(__name__)
 
 
+class StageTimes(Protocol):
+    def read(self) -> dict[str, float]:
+        """{prefix_ms, denoise_ms} of one call; blocks until its device work is done."""
+
+
 class Runner(Protocol):
-    def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
+    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None,
-               vision_slots: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Model-space actions [B, H, A] on the device and {prefix_ms, denoise_ms}; with `prefix`
-        (one cached entry per item) the prefix pass is skipped; `vision_slots`: how many leading camera
-        slots any item uses (known on the host, so the device is never asked)."""
+               vision_slots: int | None = None) -> tuple[torch.Tensor, StageTimes]:
+        """Enqueues a call: model-space actions [B, H, A] on the device (valid, in stream order, until
+        the next launch) and its stage times. With `prefix` (one cached entry per item) the prefix
+        pass is skipped; `vision_slots`: how many leading camera slots any item uses (known on the
+        host, so the device is never asked)."""
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry."""
 
 
+@dataclass(frozen=True)
+class HostTimed:
+    """Stage times measured on the host around synchronous work."""
+
+    times: dict[str, float]
+
+    def read(self) -> dict[str, float]:
+        return self.times
+
+
 class EagerRunner:
+    """The reference model, synchronously: `launch` returns when the call is done."""
+
     def __init__(self, model: Pi05Model, device: torch.device):
         self.model, self.device = model, device
         self._ctx: PrefixContext | None = None
 
     @torch.no_grad()
-    def sample(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None):
+    def launch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None):
         t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked)
         if prefix is not None:
             kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
@@ -62,12 +86,47 @@ class EagerRunner:
         t1 = time.perf_counter()
         actions = self.model.denoise(ctx, noise, num_steps, rtc)
         synchronize(self.device)
-        return actions, {"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (time.perf_counter() - t1) * 1e3}
+        return actions, HostTimed({"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (time.perf_counter() - t1) * 1e3})
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         ctx = self._ctx
         return PrefixEntry(torch.stack([k[i, 0] for k, _ in ctx.kv]), torch.stack([v[i, 0] for _, v in ctx.kv]),
                            ctx.pad_mask[i].clone())
+
+
+class Launched:
+    """A batch whose device work is enqueued; its actions land in host memory when `done`.
+
+    `quiet` is held around every wait on the device: while a background warm-up may be capturing a
+    CUDA graph, another thread's event query or synchronize would break the capture."""
+
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, quiet):
+        self._host, self._ready, self._stages, self._quiet = host, ready, stages, quiet
+
+    @staticmethod
+    def enqueue(actions: torch.Tensor, stages: StageTimes, quiet) -> "Launched":
+        if actions.device.type != "cuda":
+            return Launched(actions.float().cpu(), None, stages, quiet)
+        # A fresh pinned block per batch: torch's caching host allocator hands it out again only
+        # once the copy recorded on it has finished, so batches in flight never share one.
+        host = torch.empty(actions.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(actions, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(host, ready, stages, quiet)
+
+    def done(self) -> bool:
+        if self._ready is None:
+            return True
+        with self._quiet():
+            return self._ready.query()
+
+    def wait(self) -> tuple[np.ndarray, dict[str, float]]:
+        """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
+        with self._quiet():
+            if self._ready is not None:
+                self._ready.synchronize()
+            return self._host.numpy(), self._stages.read()
 
 
 class Runtime:
@@ -146,6 +205,12 @@ class Runtime:
     def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
             rtc: RTCGuidance | None) -> tuple[np.ndarray, dict[str, float]]:
         """Host batch in, model-space actions [B, H, A] (float32 numpy) and stage timings out."""
+        return self.launch(inputs, noise, num_steps, rtc).wait()
+
+    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None) -> "Launched":
+        """Enqueues a host batch and returns without waiting for the device: no call here blocks on
+        work already running (inputs go up from host memory without a stream sync, the actions come
+        back into pinned memory, and an event marks when they are there)."""
         cache = self.prefix_cache
         keys = None if cache is None else [
             cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i], inputs.token_mask[i],
@@ -155,16 +220,22 @@ class Runtime:
         vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
         with self.device_lock:
             runner = self.runner
+            # non_blocking: a plain copy would wait for the batch the device is still running.
             if rtc is not None:
-                rtc = RTCGuidance(rtc.prev.to(self.device), rtc.weights.to(self.device), rtc.max_weight.to(self.device))
-            inputs, noise = inputs.to(self.device), noise.to(self.device)
+                rtc = RTCGuidance(*(t.to(self.device, non_blocking=True) for t in (rtc.prev, rtc.weights, rtc.max_weight)))
+            inputs, noise = inputs.to(self.device), noise.to(self.device, non_blocking=True)
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
-            actions, stages = runner.sample(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots)
+            actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots)
             if cache is not None and not hit:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None:
-                        cache.put(key, runner.prefix_entry(i))
-            return actions.float().cpu().numpy(), stages
+                        cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
+            return Launched.enqueue(actions, stages, self._quiet)
+
+    def _quiet(self):
+        """What a wait on the device outside `device_lock` holds: the lock itself while a background
+        warm-up may capture graphs; nothing once ready (nothing is captured after that)."""
+        return self.device_lock if self.state == "warming_up" else contextlib.nullcontext()
 
     def stats(self) -> dict:
         runner = self.runner

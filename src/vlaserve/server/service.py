@@ -42,6 +42,17 @@ class ServerSettings:
     worker_threads: int = 4
     decode_processes: int = 1
     max_pending: int = 64
+    # Enqueue the next batch on the device while this one runs (runtime/batcher.py); False: one at a time.
+    overlap: bool = True
+
+    @classmethod
+    def from_options(cls, options: Mapping, runtime) -> "ServerSettings":
+        """What `vlaserve serve` and each `serve-ray` replica build from the same options (cli.serve_options)."""
+        return cls(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
+                   max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
+                   camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
+                   allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
+                   overlap=not options["serial_batches"])
 
 
 def ms_since(start: float) -> float:
@@ -71,7 +82,7 @@ class Service:
         self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
         self.workers.start()
         self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
-                               on_batch=self.metrics.batch_size.observe)
+                               on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap)
 
     def stop(self) -> None:
         if self.batcher is not None:

@@ -2,14 +2,15 @@
 prefix (per batch size, prompt length and vision slots) and one for all Euler steps (per batch size,
 prompt length, step count and RTC on/off), replayed back to back with events between them.
 
-`FastRunner.sample` is: pick the buffers, copy the inputs in, replay (or run: larger batches than
+`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (or run: larger batches than
 the profile's graph cap, and the offload profile's prefix, run the same kernels without a graph),
-read the stage times.
+and return without waiting; `sample` also waits, and copies the actions out.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,19 @@ class _Graph:
     def replay(self):
         self.graph.replay()
         return self.output
+
+
+@dataclass(frozen=True)
+class EventTimes:
+    """Stage times of one call from CUDA events recorded around its prefix and its Euler steps."""
+
+    start: torch.cuda.Event
+    mid: torch.cuda.Event
+    end: torch.cuda.Event
+
+    def read(self) -> dict[str, float]:
+        self.end.synchronize()
+        return {"prefix_ms": self.start.elapsed_time(self.mid), "denoise_ms": self.mid.elapsed_time(self.end)}
 
 
 class FastRunner:
@@ -131,10 +145,19 @@ class FastRunner:
             buf["v_cache"][:, i, :plen] = e.v
             buf["pad"][i] = e.pad
 
-    @torch.no_grad()
     def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None):
-        """-> (model-space actions [B, H, A] on the device, {prefix_ms, denoise_ms}).
+        """`launch`, waited for: (model-space actions [B, H, A] on the device, a copy the next call
+        leaves alone; {prefix_ms, denoise_ms})."""
+        out, times = self.launch(inputs, noise, num_steps, rtc, prefix, vision_slots)
+        stages = times.read()
+        return out.clone(), stages
+
+    @torch.no_grad()
+    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
+               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None):
+        """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
+        next call overwrites in stream order; its EventTimes). Nothing here waits for the device.
 
         `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP)."""
@@ -143,8 +166,8 @@ class FastRunner:
         if target != b:  # a ladder: run at the next captured size, the last item repeated, and keep b rows
             self.padded_calls += 1
             p_inputs, p_noise, p_rtc, p_prefix = _padded(target, inputs, noise, rtc, prefix)
-            out, stages = self.sample(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
-            return out[:b], stages
+            out, times = self.launch(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
+            return out[:b], times
         buf = self.buffers(b, token_len)
         graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
         if vision_slots is None:
@@ -172,8 +195,7 @@ class FastRunner:
         out = self._denoise(buf, num_steps, static_rtc, graphs)
         end.record()
         self._last = buf
-        end.synchronize()
-        return out.clone(), {"prefix_ms": start.elapsed_time(mid), "denoise_ms": mid.elapsed_time(end)}
+        return out, EventTimes(start, mid, end)
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
