@@ -61,7 +61,7 @@ class Policy:
         pipeline = ProcessorPipeline.load(directory, config)
         tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))
         preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets,
-                                    defer_resize=device.type == "cuda", pin_memory=device.type == "cuda")
+                                    defer_resize=device.type == "cuda")
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly

@@ -79,6 +79,7 @@ class Service:
         self.sessions = Sessions()
 
     def start(self) -> None:
+        self.policy.runtime.limit_host_threads()
         self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
         self.workers.start()
         self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
