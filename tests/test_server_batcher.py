@@ -269,3 +269,42 @@ def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap
     assert [[r.seed for r in b.requests] for b in device.batches] == [[0], [1], [2, 3]]
     for seed, result in zip(range(4), [first, running, *queued]):
         assert (result.actions == seed).all()  # each answer went to its own request
+
+
+def test_a_batch_that_fails_on_the_device_fails_only_its_bad_request():
+    """An error that surfaces only when a batch is waited for (on the completion thread): its requests
+    are re-run one by one, so the good ones get their answers and only the culprit its error."""
+    from vlaserve.types import Observation, Request
+
+    class FailingOnFinish(AsyncDevice):
+        def launch(self, requests):
+            batch = super().launch(requests)
+            if any(r.seed == 13 for r in requests):
+                batch.finish = lambda: (_ for _ in ()).throw(RuntimeError("device fault"))
+            return batch
+
+    device = FailingOnFinish()
+    device.holding = True  # the first batch stays on the "device" until all three requests are queued
+    batcher = Batcher(device, max_batch_size=8)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        requests = [Request(Observation({}, np.zeros(14, np.float32), f"task {s}"), seed=s) for s in (1, 13, 2, 3)]
+        first = asyncio.ensure_future(batcher.submit(requests[0]))
+        assert await loop.run_in_executor(None, device.launched, 1)
+        rest = [asyncio.ensure_future(batcher.submit(r)) for r in requests[1:]]
+        await asyncio.sleep(0.05)
+        device.release_all()
+        answers = await asyncio.gather(first, *rest, return_exceptions=True)
+        assert batcher.alive  # both threads survived the fault
+        return answers
+
+    try:
+        one, bad, two, three = asyncio.run(scenario())
+    finally:
+        device.release_all()
+        batcher.close()
+    assert str(bad) == "device fault"
+    for seed, result in ((1, one), (2, two), (3, three)):
+        assert (result.actions == seed).all()
+    assert [[r.seed for r in b.requests] for b in device.batches] == [[1], [13, 2, 3], [13], [2], [3]]

@@ -163,9 +163,9 @@ class Batcher:
         # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="vlaserve-launch", daemon=True)
+        self._launcher = threading.Thread(target=self._run, name="vlaserve-launch", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="vlaserve-complete", daemon=True)
-        self._thread.start()
+        self._launcher.start()
         self._completer.start()
 
     async def submit(self, request: Request):
@@ -185,12 +185,12 @@ class Batcher:
             if not self._closed:
                 self._closed = True
                 self._queue.put(_STOP)
-        self._thread.join()
+        self._launcher.join()
         self._completer.join()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._completer.is_alive()
+        return self._launcher.is_alive() and self._completer.is_alive()
 
     def _run(self) -> None:
         # Requests that did not fit the current batch (another num_steps), in arrival order.
