@@ -1,0 +1,161 @@
+"""SigLIP's GEMMs at the vision encoder's shapes (M = 256 patches x cameras x batch), cuBLAS against
+tiled Triton GEMMs: does another tiling fill the H200 better at M = 768 (batch 1) and 6144 (batch 8)?
+
+    python3 bench/vision_gemm.py [--out DIR]
+
+For each linear of a SigLIP So400m layer (qkv 1152->3456, out 1152->1152, fc1 1152->4304, fc2
+4304->1152, all with bias, bf16 in and out, fp32 accumulation): cuBLAS through F.linear (torch's
+default library, and cuBLASLt preferred), and a grouped-order Triton GEMM + bias over a few tile
+shapes. Times are triton.testing.do_bench medians with the L2 flushed between runs (every layer's
+weights are new to the cache in the model). Each Triton result is checked against F.linear (bf16
+rounding of a different summation order: max |diff| relative to the output's scale). JSON in
+bench/results/vision_gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {"qkv": (3456, 1152), "out": (1152, 1152), "fc1": (4304, 1152), "fc2": (1152, 4304)}  # (N, K)
+CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+    (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+    (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 64, 128, 4, 3),
+]
+
+
+@triton.jit
+def linear_bias_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """y[M, N] = x[M, K] @ w[N, K]^T + b[N]; tiles visited in groups of GROUP_M rows (L2 reuse)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k * BLOCK_K + offs_k
+        a = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + offs_n[None, :] * K + kk[:, None], mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc)
+    acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def triton_linear(x, w, b, config):
+    bm, bn, bk, warps, stages = config
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    linear_bias_kernel[grid](x, w, b, y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                             num_warps=warps, num_stages=stages)
+    return y
+
+
+def end_to_end() -> dict:
+    """The full-size fast path (random weights, graphs captured under each library preference):
+    p50 per call at batch 1 and 8, stage times, and how far the two libraries' actions lie apart."""
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
+    from bench_gpu import STEPS, make_inputs, random_model, time_cuda
+    from vlaserve.config import ModelConfig, PolicyConfig
+    from vlaserve.runtime.fast.graphs import FastRunner
+
+    cfg = ModelConfig.full_size()
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
+    policy_config = PolicyConfig(cfg, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
+    out, actions = {}, {}
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        runner = FastRunner(model, policy_config)
+        runner.warmup((1, 8), STEPS)
+        for b in (1, 8):
+            inputs, noise = make_inputs(b, cfg.vlm.vocab_size)
+            actions[(library, b)], _ = runner.sample(inputs, noise, STEPS, None)
+            stages = [runner.sample(inputs, noise, STEPS, None)[1] for _ in range(10)]
+            out[f"{library}_b{b}"] = {**time_cuda(lambda: runner.sample(inputs, noise, STEPS, None)),
+                                      "prefix_ms": sorted(s["prefix_ms"] for s in stages)[5],
+                                      "denoise_ms": sorted(s["denoise_ms"] for s in stages)[5]}
+            print(library, b, out[f"{library}_b{b}"], flush=True)
+        del runner
+        torch.cuda.empty_cache()
+    torch.backends.cuda.preferred_blas_library("cublas")
+    out["actions_max_abs_diff"] = {b: float((actions[("cublas", b)] - actions[("cublaslt", b)]).abs().max())
+                                   for b in (1, 8)}
+    print("actions cublas vs cublaslt:", out["actions_max_abs_diff"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--end-to-end", action="store_true", help="also the whole fast path with either library")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "shapes": []}
+    totals = {}
+    for batch in (1, 8):
+        m = 768 * batch
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+            b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, w, b)
+            flops = 2 * m * n * k
+            row = {"batch": batch, "name": name, "M": m, "N": n, "K": k}
+            torch.backends.cuda.preferred_blas_library("cublas")
+            row["cublas_us"] = triton.testing.do_bench(lambda: F.linear(x, w, b)) * 1e3
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            row["cublaslt_us"] = triton.testing.do_bench(lambda: F.linear(x, w, b)) * 1e3
+            torch.backends.cuda.preferred_blas_library("cublas")
+            row["addmm_us"] = triton.testing.do_bench(lambda: torch.addmm(b, x, w.t())) * 1e3
+            row["addmm_activation_us"] = triton.testing.do_bench(
+                lambda: torch._addmm_activation(b, x, w.t(), use_gelu=False)) * 1e3
+            best = None
+            for config in CONFIGS:
+                y = triton_linear(x, w, b, config)
+                err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+                us = triton.testing.do_bench(lambda: triton_linear(x, w, b, config)) * 1e3
+                row.setdefault("triton", []).append({"config": config, "us": us, "rel_err": err})
+                if best is None or us < best["us"]:
+                    best = {"config": config, "us": us, "rel_err": err}
+            row["triton_best"] = best
+            for key, us in (("cublas", row["cublas_us"]), ("cublaslt", row["cublaslt_us"]), ("triton", best["us"])):
+                row[f"{key}_tflops"] = flops / us / 1e6
+                totals[(batch, key)] = totals.get((batch, key), 0.0) + us
+            print(f"b{batch} {name:4s} M={m} N={n} K={k}: cublas {row['cublas_us']:.1f} us "
+                  f"({row['cublas_tflops']:.0f} TF/s), cublasLt {row['cublaslt_us']:.1f}, addmm {row['addmm_us']:.1f}, "
+                  f"_addmm_activation {row['addmm_activation_us']:.1f}, triton best "
+                  f"{best['us']:.1f} us {best['config']} ({row['triton_tflops']:.0f} TF/s, rel err {best['rel_err']:.1e})",
+                  flush=True)
+            results["shapes"].append(row)
+    # Per call: 27 layers, each with the four GEMMs.
+    results["per_call_ms"] = {f"b{b}_{key}": us * 27 / 1e3 for (b, key), us in totals.items()}
+    print("per call (27 layers):", json.dumps(results["per_call_ms"]))
+    if args.end_to_end:
+        results["end_to_end"] = end_to_end()
+    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "vision_gemm.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
