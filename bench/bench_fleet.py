@@ -7,9 +7,11 @@ when it lies closer to another robot's reference). Levels: N robots back to back
 
     python bench/bench_fleet.py [--device cuda] [--robots 1,2,4,8,16,32] [--hz 4] [--seconds 8]
                                 [--checkpoint DIR] [--serve-args "..."] [--out DIR]
+    python bench/bench_fleet.py --command serve-ray --serve-args "--replicas 2" ...   # the Ray Serve app
 
 Reports per level: throughput, p50/p90/p99/max latency, the batch-size histogram and graph counters
-from /metrics (captures after ready must stay flat), errors and crossed answers; and, from the same
+from /metrics (captures after ready must stay flat; through Ray's proxy a scrape reaches one replica,
+so with several replicas these cover one of them), errors and crossed answers; and, from the same
 run, the device time at batch 1 and the server's own share around it (the OpenPI socket's
 prev_total_ms, frame received -> reply sent, minus the device time). JSON + PNG in bench/results/.
 """
@@ -61,13 +63,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def scrape(port: int) -> dict:
+    """Counters from /metrics (a serve-ray replica labels its samples with replica="...")."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     out = {"batch_size_count": {}}
     for name in ("vlaserve_graph_captures", "vlaserve_uncaptured_calls", "vlaserve_padded_calls"):
-        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else None
-    for le, count in re.findall(r'^vlaserve_batch_size_bucket\{le="([0-9.]+)"\} ([0-9.e+]+)$', text, re.M):
-        out["batch_size_count"][le] = float(count)
+        values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)
+        out[name] = sum(float(v) for v in values) if values else 0.0
+    for le, count in re.findall(r'^vlaserve_batch_size_bucket\{(?:[^}]*,)?le="([0-9.]+)"[^}]*\} ([0-9.e+]+)$', text, re.M):
+        out["batch_size_count"][le] = out["batch_size_count"].get(le, 0.0) + float(count)
     return out
 
 
@@ -150,14 +153,16 @@ def main() -> None:
     ap.add_argument("--paced-robots", default="8,16")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--serve-args", default="--max-batch-size 8")
+    ap.add_argument("--command", default="serve", choices=("serve", "serve-ray"),
+                    help="the server: vlaserve serve, or the Ray Serve app (vlaserve[ray])")
     ap.add_argument("--frame", default="224x224", help="camera frame HxW (other than 224x224: resized by the server)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
 
     template = fixture_dir("pi05_golden") / "checkpoint"
-    results: dict = {"device": args.device, "serve_args": args.serve_args, "seconds": args.seconds,
-                     "frame": args.frame}
+    results: dict = {"device": args.device, "command": args.command, "serve_args": args.serve_args,
+                     "seconds": args.seconds, "frame": args.frame}
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if checkpoint is None and args.device == "cuda":
         checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
@@ -175,7 +180,7 @@ def main() -> None:
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "vlaserve.cli", "serve", str(checkpoint), "--device", args.device,
+    command = [sys.executable, "-m", "vlaserve.cli", args.command, str(checkpoint), "--device", args.device,
                "--port", str(port), "--warmup", "blocking", *args.serve_args.split()]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     started = time.perf_counter()

@@ -133,6 +133,25 @@ def test_numeric_lists_become_arrays_and_msgpack_arrays_stay_zero_copy():
     assert not decoded.flags.owndata  # a view of the payload's bytes, not a copy
 
 
+
+@pytest.mark.parametrize("array", [
+    np.arange(224 * 224 * 3, dtype=np.uint8).reshape(224, 224, 3), np.linspace(-1, 1, 14, dtype=np.float32),
+    np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2], np.array(7, dtype=np.int64), np.zeros((0, 5), np.float32),
+    np.array([True, False, True]), np.arange(10, dtype=">i4"),
+], ids=["image", "state", "strided", "scalar", "empty", "bool", "big-endian"])
+def test_zero_copy_msgpack_decode_equals_the_copying_decode(array):
+    """openpi-client's own msgpack_numpy decoder copies each array out of the payload; ours makes
+    the payload's bytes the array. Same values, dtype and shape, whatever openpi-client packed."""
+    from openpi_client import msgpack_numpy
+
+    payload = msgpack_numpy.packb({"observation": {"x": array}, "prompt": "pick"})
+    copied = msgpack_numpy.unpackb(payload)["observation"]["x"]
+    ours = unpackb(payload)["observation"]["x"]
+    assert ours.dtype == copied.dtype and ours.shape == copied.shape
+    np.testing.assert_array_equal(ours, copied)
+    if array.size:
+        assert not ours.flags.owndata  # a view of the payload
+
 # ---- limits: rows 1, 5, 6 --------------------------------------------------------------------------
 def _body(**parts) -> dict:
     body = {"input": {"task": "pick", "observation": {"images": {"base_0_rgb": np.zeros((8, 8, 3), np.uint8)},
