@@ -202,11 +202,6 @@ class Runtime:
                  ",".join(map(str, sizes)), time.perf_counter() - started, self.graph_bytes / 2**30,
                  (estimate.kv_and_buffers + estimate.activations) / 2**30)
 
-    def run(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int,
-            rtc: RTCGuidance | None) -> tuple[np.ndarray, dict[str, float]]:
-        """Host batch in, model-space actions [B, H, A] (float32 numpy) and stage timings out."""
-        return self.launch(inputs, noise, num_steps, rtc).wait()
-
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None) -> "Launched":
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on
         work already running (inputs go up from host memory without a stream sync, the actions come
