@@ -21,6 +21,9 @@ RAY_OPTIONS: dict[str, tuple[type, object, str, str]] = {
                                                    "(local cluster only; on a running cluster set "
                                                    "RAY_SERVE_SESSION_ID_HEADER_KEY there)"),
     "app_name": (str, "vlaserve", "NAME", "the Ray Serve application name"),
+    "direct_websockets": (bool, False, None, "robots' websockets go straight to their replica's own port (a "
+                                             "redirect at the handshake): no proxy hop per message; robots must "
+                                             "reach the replica hosts, and the autoscaler does not count them"),
 }
 
 
@@ -33,6 +36,10 @@ def check_ray_options(options: dict) -> None:
     for name, (kind, _, _, _) in RAY_OPTIONS.items():
         value = options[name]
         if value is None:
+            continue
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise RayOptionError(f"{name} must be true or false")
             continue
         ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
         if not ok or isinstance(value, bool):

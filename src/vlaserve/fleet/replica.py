@@ -31,7 +31,7 @@ def shutdown_started() -> bool:
 @serve.deployment
 @serve.ingress()
 class VlaserveReplica:
-    async def __init__(self, options: dict):
+    async def __init__(self, options: dict, direct_websockets: bool = False):
         from .. import Policy
         from ..demo import demo_checkpoint
         from ..processing.layouts import check_camera_aliases
@@ -51,6 +51,8 @@ class VlaserveReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.service = None
         self._drain_watch = None
+        self.direct = None
+        self._direct_websockets = direct_websockets
         log.info("replica %s ready: %s on %s", self.replica, self.policy.name, self.policy.metadata["device"])
 
     def __serve_build_asgi_app__(self):
@@ -58,8 +60,20 @@ class VlaserveReplica:
 
         app = create_app(self.policy, self.settings)
         self.service = app.state.service
-        self._drain_watch = asyncio.get_running_loop().create_task(self._drain_sessions_on_shutdown())
-        return ReplicaLabels(app, self.replica)
+        loop = asyncio.get_running_loop()
+        self._drain_watch = loop.create_task(self._drain_sessions_on_shutdown())
+        labelled = ReplicaLabels(app, self.replica)
+        if self._direct_websockets:
+            import ray
+
+            from .direct import DirectServer
+
+            # Until it listens, handshakes are accepted through the proxy (redirect() says None).
+            self.direct = DirectServer(labelled, ray.util.get_node_ip_address(),
+                                       max_message_bytes=self.settings.max_payload_bytes)
+            self.service.websocket_redirect = self.direct.redirect
+            loop.create_task(self.direct.start())
+        return labelled
 
     async def _drain_sessions_on_shutdown(self) -> None:
         """Ray counts an open websocket as an ongoing request until it closes, so a robot idling on
@@ -80,6 +94,8 @@ class VlaserveReplica:
     async def __del__(self):
         if self._drain_watch is not None:
             self._drain_watch.cancel()
+        if self.direct is not None:  # its sessions were drained with the rest
+            await self.direct.stop()
 
 
 def build(options: dict, name: str | None = None):
@@ -89,4 +105,5 @@ def build(options: dict, name: str | None = None):
     # The replicas get only serve's options: a change of a Ray key (scale, autoscaling) then leaves
     # their constructor arguments equal, so Ray scales in place instead of replacing every replica.
     serve_options = {k: v for k, v in options.items() if k not in RAY_OPTIONS}
-    return VlaserveReplica.options(name=name or "VlaserveReplica", **deployment_options(options)).bind(serve_options)
+    return VlaserveReplica.options(name=name or "VlaserveReplica", **deployment_options(options)).bind(
+        serve_options, direct_websockets=bool(options.get("direct_websockets")))

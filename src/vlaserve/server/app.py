@@ -155,10 +155,18 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     app.add_api_websocket_route("/", openpi)
 
     async def accept(websocket: WebSocket) -> bool:
-        """Authorizes at the handshake: a refused client gets HTTP 401 and no websocket."""
-        if service.authorized(websocket.headers):
-            await websocket.accept()
-            return True
+        """Authorizes at the handshake: a refused client gets HTTP 401 and no websocket. With a
+        websocket redirect (serve-ray's direct websockets), an authorized client is sent there
+        (307, with a ticket standing in for the API key its client drops on the way)."""
+        if service.authorized(websocket.headers) or service.valid_ticket(websocket.query_params.get("ticket")):
+            target = service.websocket_redirect(websocket.scope) if service.websocket_redirect else None
+            if target is None or "websocket.http.response" not in websocket.scope.get("extensions", {}):
+                await websocket.accept()
+                return True
+            if service.settings.api_key is not None:
+                target += ("&" if "?" in target else "?") + "ticket=" + service.ticket()
+            await websocket.send_denial_response(Response(status_code=307, headers={"location": target}))
+            return False
         service.metrics.errors.labels(websocket.scope["path"], "unauthorized").inc()
         if "websocket.http.response" in websocket.scope.get("extensions", {}):
             error = ApiError(401, "unauthorized", "missing or wrong API key")

@@ -3,10 +3,11 @@ all protocols (authorize, validate, infer, time)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, NonFiniteActions
@@ -25,6 +26,7 @@ MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postpr
 # preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
 # inference thread, and the hand-back of its result to the event loop.
 HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms")
+TICKET_LIFETIME_S = 60.0
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
 
 
@@ -77,6 +79,9 @@ class Service:
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
         self.sessions = Sessions()
+        # Where a websocket handshake is sent instead of being accepted here (a URL), or None to
+        # accept it: serve-ray's direct websockets set this (fleet/direct.py).
+        self.websocket_redirect: Callable[[Mapping], str | None] | None = None
 
     def start(self) -> None:
         self.policy.runtime.limit_host_threads()
@@ -101,6 +106,22 @@ class Service:
         if scheme.lower() in ("bearer", "api-key"):
             offered.append(token.strip())
         return any(hmac.compare_digest(o.encode(), key.encode()) for o in offered if o)
+
+    def ticket(self, lifetime_s: float = TICKET_LIFETIME_S) -> str:
+        """A short-lived proof of a checked API key, for a URL (a client following a redirect to
+        another host or port drops its Authorization header)."""
+        expires = str(int(time.time() + lifetime_s))
+        return f"{expires}.{self._sign(expires)}"
+
+    def valid_ticket(self, ticket: str | None) -> bool:
+        if self.settings.api_key is None or not ticket:
+            return False
+        expires, _, signature = ticket.partition(".")
+        return (expires.isdigit() and int(expires) >= time.time()
+                and hmac.compare_digest(signature.encode(), self._sign(expires).encode()))
+
+    def _sign(self, text: str) -> str:
+        return hmac.new(self.settings.api_key.encode(), b"vlaserve-ticket:" + text.encode(), hashlib.sha256).hexdigest()
 
     def require_auth(self, headers: Mapping[str, str]) -> None:
         if not self.authorized(headers):

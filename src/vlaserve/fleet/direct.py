@@ -1,0 +1,71 @@
+"""Websocket robots straight to their replica (serve-ray `direct_websockets`).
+
+Ray's proxy relays every websocket message to the replica and back: 3.4 ms per openpi-client call on
+the H200 host, 9-14 ms on two CPU cores (docs/benchmarks.md). With direct websockets a replica also
+serves its own app on a port of its own, on its own event loop task, and a websocket handshake that
+arrives through the proxy is answered with a redirect there (HTTP 307; the `websockets` client that
+openpi-client and vlaserve.client use follows it, carrying a ticket for the API key it drops on the
+way). HTTP requests still take the proxy. Robots must be able to reach the replica's host and port,
+and Ray's autoscaler does not count directly connected robots (docs/ray.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+
+import uvicorn
+
+log = logging.getLogger("vlaserve.fleet")
+
+DIRECT = "vlaserve.direct"  # scope key marking a connection the replica's own server accepted
+
+
+class _Marked:
+    """The app as the direct server runs it: its connections carry the DIRECT mark."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            scope = {**scope, DIRECT: True}
+        return await self.app(scope, receive, send)
+
+
+class DirectServer:
+    def __init__(self, app, advertise_host: str, bind_host: str = "0.0.0.0", port: int = 0,
+                 max_message_bytes: int = 64 * 2**20):
+        self.advertise_host = advertise_host
+        self._server = uvicorn.Server(uvicorn.Config(
+            _Marked(app), host=bind_host, port=port, lifespan="off", log_config=None, access_log=False,
+            ws_max_size=max_message_bytes, ws_per_message_deflate=False))
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        """Serves on the running event loop (the replica's, so its sessions and batcher are shared)."""
+        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the bind error
+                raise RuntimeError("the direct websocket server stopped at startup")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        log.info("direct websockets on ws://%s:%d", self.advertise_host, self.port)
+
+    def redirect(self, scope) -> str | None:
+        """Where a websocket handshake goes: None for one this server accepted, else its URL here."""
+        if scope.get(DIRECT) or self.port is None:
+            return None
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        # A ticket the client brought is dropped: the handshake adds a fresh one.
+        query = urllib.parse.urlencode([(k, v) for k, v in urllib.parse.parse_qsl(scope.get("query_string", b"").decode())
+                                        if k != "ticket"])
+        return f"ws://{host}:{self.port}{scope['path']}" + (f"?{query}" if query else "")
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
