@@ -287,3 +287,33 @@ def test_row7_msgpack_bodies_that_are_costly_to_decode_leave_the_event_loop():
     assert unpackb(packb(_body(input={"task": "x", "observation": {"images": cameras}})), 1024)  # in place
     with pytest.raises(OverBudget):  # an image as nested lists: 50k lists, decoded in a thread instead
         unpackb(packb({"image": np.zeros((224, 224, 3), np.uint8).tolist()}), 1024)
+
+
+# ---- serve-ray's direct websockets: the redirect and its ticket (fleet/direct.py) ----------------------
+def test_a_websocket_redirect_is_only_given_after_the_key_check_and_carries_a_valid_ticket(golden_policy):
+    from urllib.parse import parse_qs, urlparse
+
+    from starlette.testclient import WebSocketDenialResponse
+
+    app = create_app(golden_policy, ServerSettings(api_key="k"))
+    service = app.state.service
+    service.websocket_redirect = lambda scope: None if "ticket" in scope["query_string"].decode() else "ws://replica:9/openpi/policy"
+    with TestClient(app) as client:
+        with pytest.raises(WebSocketDenialResponse) as wrong_key:
+            with client.websocket_connect("/openpi/policy", headers={"Authorization": "Api-Key nope"}):
+                pass
+        assert wrong_key.value.status_code == 401
+        with pytest.raises(WebSocketDenialResponse) as moved:
+            with client.websocket_connect("/openpi/policy", headers={"Authorization": "Api-Key k"}):
+                pass
+        assert moved.value.status_code == 307
+        location = urlparse(moved.value.headers["location"])
+        assert (location.netloc, location.path) == ("replica:9", "/openpi/policy")
+        ticket = parse_qs(location.query)["ticket"][0]
+        assert service.valid_ticket(ticket)
+        with client.websocket_connect(f"/openpi/policy?ticket={ticket}") as ws:  # no key: the ticket stands in
+            assert "action_horizon" in unpackb(ws.receive_bytes())
+    expires, _, signature = ticket.partition(".")
+    assert not service.valid_ticket(f"{int(expires) + 1}.{signature}")  # tampered
+    assert not service.valid_ticket(service.ticket(lifetime_s=-10))  # expired
+    assert not service.valid_ticket(None) and not service.valid_ticket("garbage")
