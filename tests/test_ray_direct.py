@@ -71,3 +71,29 @@ def test_openpi_client_is_redirected_to_its_replica_and_gets_the_same_answers(di
     keyed = ws_client.connect(f"ws://127.0.0.1:{direct_port}/openpi/policy",
                               additional_headers={"Authorization": f"Api-Key {API_KEY}"}, open_timeout=10)
     keyed.close()
+
+
+@pytest.mark.skipif(os.environ.get("VLASERVE_RAY_AUTOSCALE_TEST") != "1",
+                    reason="~1 min more: set VLASERVE_RAY_AUTOSCALE_TEST=1")
+def test_autoscaling_counts_robots_connected_straight_to_their_replica(direct_fleet, golden):
+    """Ray's proxy does not see a redirected robot; the replicas report them (record_autoscaling_stats)
+    and the policy counts each as an ongoing request: 3 robots with a target of 1 per replica bring
+    a second replica (max 2); when they leave, the fleet shrinks back to 1."""
+    from test_ray import running_replicas, wait_for
+
+    options = fleet_options({"checkpoint": str(golden / "checkpoint"), "device": "cpu", "dtype": "float32",
+                             "api_key": API_KEY, "cpus_per_replica": 0.5, "min_replicas": 1, "max_replicas": 2,
+                             "target_ongoing_requests": 1.0, "downscale_delay_s": 5.0, "direct_websockets": True})
+    serve.run(build(options), name="vlaserve", route_prefix="/")
+    wait_for(lambda: running_replicas() == 1, "one replica")
+    robots = []
+    while len(robots) < 3:
+        robot = WebsocketClientPolicy("127.0.0.1", direct_fleet, api_key=API_KEY)
+        if robot._ws.remote_address[1] == direct_fleet:  # this replica's own server was not listening yet
+            robot._ws.close()
+            continue
+        robots.append(robot)
+    wait_for(lambda: running_replicas() == 2, "scale up to 2 replicas")
+    for robot in robots:
+        robot._ws.close()
+    wait_for(lambda: running_replicas() == 1, "scale down to 1")

@@ -33,6 +33,13 @@ def test_fixed_replicas_and_gpu_default():
     assert deployment_options(fleet_options({"device": "cpu"}))["ray_actor_options"]["num_gpus"] == 0
 
 
+def test_direct_websockets_autoscale_with_the_policy_that_counts_direct_robots():
+    plain = deployment_options(fleet_options({"max_replicas": 2}))["autoscaling_config"]
+    direct = deployment_options(fleet_options({"max_replicas": 2, "direct_websockets": True}))["autoscaling_config"]
+    assert "policy" not in plain  # Ray's own: robots through the proxy are its ongoing requests
+    assert direct["policy"] == {"policy_function": "vlaserve.fleet.autoscale:count_direct_robots"}
+
+
 @pytest.mark.parametrize("cli, message", [
     ({"replicas": 0}, "replicas must be at least 1"),
     ({"min_replicas": 2}, "min_replicas needs max_replicas"),

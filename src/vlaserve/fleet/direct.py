@@ -23,23 +23,33 @@ DIRECT = "vlaserve.direct"  # scope key marking a connection the replica's own s
 
 
 class _Marked:
-    """The app as the direct server runs it: its connections carry the DIRECT mark."""
+    """The app as the direct server runs it: its connections carry the DIRECT mark, and its open
+    websockets are counted (the autoscaler's direct robots)."""
 
     def __init__(self, app):
         self.app = app
+        self.websockets = 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "lifespan":
-            scope = {**scope, DIRECT: True}
-        return await self.app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, send)
+        scope = {**scope, DIRECT: True}
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        self.websockets += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.websockets -= 1
 
 
 class DirectServer:
     def __init__(self, app, advertise_host: str, bind_host: str = "0.0.0.0", port: int = 0,
                  max_message_bytes: int = 64 * 2**20):
         self.advertise_host = advertise_host
+        self._app = _Marked(app)
         self._server = uvicorn.Server(uvicorn.Config(
-            _Marked(app), host=bind_host, port=port, lifespan="off", log_config=None, access_log=False,
+            self._app, host=bind_host, port=port, lifespan="off", log_config=None, access_log=False,
             ws_max_size=max_message_bytes, ws_per_message_deflate=False))
         self._task: asyncio.Task | None = None
         self.port: int | None = None
@@ -54,6 +64,11 @@ class DirectServer:
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         log.info("direct websockets on ws://%s:%d", self.advertise_host, self.port)
+
+    @property
+    def robots(self) -> int:
+        """Websockets open on this server now (a robot each)."""
+        return self._app.websockets
 
     def redirect(self, scope) -> str | None:
         """Where a websocket handshake goes: None for one this server accepted, else its URL here."""

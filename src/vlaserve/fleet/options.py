@@ -95,6 +95,8 @@ def deployment_options(options: dict) -> dict:
             "downscale_delay_s": options["downscale_delay_s"],
             "upscale_delay_s": 10.0,
         }
+        if options["direct_websockets"]:  # robots on a replica's own port count too (fleet/autoscale.py)
+            out["autoscaling_config"]["policy"] = {"policy_function": "vlaserve.fleet.autoscale:count_direct_robots"}
     else:
         out["num_replicas"] = options["replicas"]
     return out

@@ -85,6 +85,13 @@ class VlaserveReplica:
         log.info("replica %s draining its websocket sessions", self.replica)
         await self.service.sessions.drain(self.drain_timeout_s)
 
+    async def record_autoscaling_stats(self) -> dict:
+        """For the autoscaler (fleet/autoscale.py): robots connected straight to this replica, which
+        Ray's proxy does not see."""
+        from .autoscale import DIRECT_ROBOTS
+
+        return {DIRECT_ROBOTS: float(self.direct.robots if self.direct is not None else 0)}
+
     def check_health(self) -> None:
         """Ray restarts a replica whose check raises: a batcher that died takes the replica with it."""
         batcher = self.service.batcher if self.service is not None else None
