@@ -5,14 +5,15 @@ the H200 host, 9-14 ms on two CPU cores (docs/benchmarks.md). With direct websoc
 serves its own app on a port of its own, on its own event loop task, and a websocket handshake that
 arrives through the proxy is answered with a redirect there (HTTP 307; the `websockets` client that
 openpi-client and vlaserve.client use follows it, carrying a ticket for the API key it drops on the
-way). HTTP requests still take the proxy. Robots must be able to reach the replica's host and port,
-and Ray's autoscaler does not count directly connected robots (docs/ray.md).
+way). HTTP requests still take the proxy. Robots must be able to reach the replica's host and port;
+Ray's proxy does not see them, so the replica reports them to the autoscaler (fleet/autoscale.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import urllib.parse
 
 import uvicorn
@@ -48,21 +49,30 @@ class DirectServer:
                  max_message_bytes: int = 64 * 2**20):
         self.advertise_host = advertise_host
         self._app = _Marked(app)
+        self._bind = (bind_host, port)
         self._server = uvicorn.Server(uvicorn.Config(
-            self._app, host=bind_host, port=port, lifespan="off", log_config=None, access_log=False,
+            self._app, lifespan="off", log_config=None, access_log=False,
             ws_max_size=max_message_bytes, ws_per_message_deflate=False))
         self._task: asyncio.Task | None = None
         self.port: int | None = None
 
     async def start(self) -> None:
-        """Serves on the running event loop (the replica's, so its sessions and batcher are shared)."""
-        self._task = asyncio.get_running_loop().create_task(self._server.serve())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises the bind error
-                raise RuntimeError("the direct websocket server stopped at startup")
+        """Serves on the running event loop (the replica's, so its sessions and batcher are shared).
+        If it can't listen, says so: robots then stay on the proxy (redirect() answers None)."""
+        try:  # bound here, not by uvicorn, whose bind error would exit the replica's event loop
+            sock = socket.socket(socket.AF_INET6 if ":" in self._bind[0] else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(self._bind)
+        except OSError as error:
+            log.error("direct websockets unavailable (%s): robots stay on Ray's proxy", error)
+            return
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started and not self._task.done():
             await asyncio.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        if not self._server.started:
+            log.error("direct websockets unavailable (%s): robots stay on Ray's proxy", self._task.exception())
+            return
+        self.port = sock.getsockname()[1]
         log.info("direct websockets on ws://%s:%d", self.advertise_host, self.port)
 
     @property
