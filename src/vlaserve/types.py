@@ -207,7 +207,7 @@ class ModelInputs:
     tokens: torch.Tensor  # [B, L]
     token_mask: torch.Tensor  # [B, L]
     state: torch.Tensor | None = None  # [B, max_state_dim] float32, normalized and zero-padded (Pi0); None: Pi0.5
-    # Raw uint8 frames (item, slot, [3, H, W]) resized into `images` (uint8 then) on the device.
+    # Raw frames (item, slot, [3, H, W]: uint8, or float in [0, 1]) resized into `images` on the device.
     pending: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
     def to(self, device) -> "ModelInputs":

@@ -97,14 +97,9 @@ def finish_frame(frame: torch.Tensor, target: int) -> torch.Tensor:
 
 
 def place_frames(images: torch.Tensor, frames) -> torch.Tensor:
-    """images [..., 3, S, S] (uint8 or float) with each (index, raw frame) of `frames` resized into
-    images[index], on images' device; a new tensor, uint8 only if images and every frame are."""
+    """images [..., 3, S, S] (uint8, or float in [-1, 1]) with each (index, raw frame) of `frames`
+    finished into images[index], on images' device: a new float32 tensor in [-1, 1]."""
     target = images.shape[-1]
-    if images.dtype == torch.uint8 and all(frame.dtype == torch.uint8 for _, frame in frames):
-        out = images.clone()
-        for index, frame in frames:
-            out[index] = resize_bytes(frame.to(images.device, non_blocking=True), target)
-        return out
     out = bytes_to_model_range(images) if images.dtype == torch.uint8 else images.clone()
     for index, frame in frames:
         out[index] = finish_frame(frame.to(images.device, non_blocking=True), target)

@@ -411,16 +411,14 @@ def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[di
     return cfg, block_r
 
 
-def gemm_config(n: int, k: int, rows: int = 64, num_sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, splits, BLOCK_K): split K until the grid (column tiles x row tiles x splits)
-    fills about `max_waves` waves."""
-    cfg, block_r = _launch("splitk", rows, n)
-    block_n, block_k = cfg["block_n"], cfg["block_k"]
-    tiles = -(-n // block_n) * -(-rows // block_r)
+def _split_k(cfg: dict, block_r: int, n: int, k: int, rows: int, num_sms: int = 132) -> int:
+    """How many K splits: doubled until the grid (column tiles x row tiles x splits) fills about
+    `max_waves` waves."""
+    tiles = -(-n // cfg["block_n"]) * -(-rows // block_r)
     splits = 1
-    while tiles * splits * 2 <= cfg["max_waves"] * num_sms and k % (splits * 2 * block_k) == 0:
+    while tiles * splits * 2 <= cfg["max_waves"] * num_sms and k % (splits * 2 * cfg["block_k"]) == 0:
         splits *= 2
-    return block_n, splits, block_k
+    return splits
 
 
 def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -428,7 +426,8 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     r, k = x2d.shape
     n = w.shape[0]
     cfg, block_r = _launch("splitk", r, n)
-    block_n, splits, block_k = gemm_config(n, k, r)
+    block_n, block_k = cfg["block_n"], cfg["block_k"]
+    splits = _split_k(cfg, block_r, n, k, r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled()
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
