@@ -293,7 +293,8 @@ def tune_expert_kernels(model) -> dict:
                        for bm, sp, bt, wp in [(16, 8, 64, 4), (16, 16, 64, 4), (32, 4, 64, 8), (32, 8, 64, 4),
                                               (32, 8, 64, 8), (32, 16, 64, 4), (64, 8, 64, 8), (64, 16, 64, 8),
                                               (64, 4, 128, 8), (128, 8, 64, 8)]],
-                      lambda: [kernels.mqa_attention(q, k, v, bias, hq, r) for k, v in zip(kc, vc)]),
+                      lambda: [kernels.mqa_attention(q, k, v, bias, hq, r, kernels.TUNING["attention"])
+                               for k, v in zip(kc, vc)]),
     }
     report = {}
     for name, (configs, fn) in families.items():

@@ -8,8 +8,8 @@ The denoise stage (10 Euler steps, one CUDA graph) at batch 1 and 8; each rung a
              configs of runs 6-25 (64-row tiles at every batch size, attention 32 x 8 splits)
   1 fused    action in/out + Euler update in one kernel per step (kernels.action_step)
   2 pdl      + programmatic dependent launch (each kernel waits at its start)
-  3 tiles    + 128-row tiles for batch > 1 and the attention config of runs 26-28's sweeps (the defaults)
-  4 sweep    the sweeps again around the defaults (kept if better)
+  3 tiles    + the committed launch configs: per-batch row tiles and attention splits (the
+             defaults; bench/tune_batches.py sweeps them per batch size)
 (Runs 26-28 also had rungs that loaded the first weight tile before the wait and prefetched the
 rest into L2: both slower, removed; docs/benchmarks.md.)
 Per rung: p50 ms, max|Δ| of actions vs rung 0 and vs the fp32 eager model; PDL on vs off must be
@@ -44,32 +44,19 @@ from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 HORIZON_ROWS = 50
 CAMERA_NAMES = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
-# Candidates for batch > 1, scored by the sum of the batch-2, -4 and -8 denoise times; the first of
-# each list is the default (block_n None: column tiles sized per batch by kernels._launch).
-BATCHED_SWEEP = {
-    "splitk": [dict(block_r=128, block_n=32, block_k=128, max_waves=1, warps=4, stages=4)]
-              + [dict(block_r=r, block_n=n, block_k=k, max_waves=1, warps=w, stages=s)
-                 for r, n, k, w, s in [(128, 64, 64, 8, 4), (128, None, 64, None, 4), (128, 16, 64, 4, 4)]],
-    "geglu": [dict(block_r=128, block_n=None, block_k=64, stages=3)]
-             + [dict(block_r=r, block_n=n, block_k=k, warps=w, stages=s)
-                for r, n, k, w, s in [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 32, 64, 4, 4)]],
-    "qkv": [dict(block_r=128, block_n=32, block_k=64, warps=8, stages=4)]
-           + [dict(block_r=r, block_n=n, block_k=k, warps=w, stages=s)
-              for r, n, k, w, s in [(128, 64, 64, 8, 3), (128, None, 64, None, 3), (128, 16, 64, 4, 4)]],
-}
 BATCHES = (1, 2, 4, 8)
 # The launch configs before this ladder (runs 6-25).
 LEGACY_TUNING = {
     "attention": {"block_m": 32, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
-    "batched": {
+    "attention_batched": {},
+    "batched": {65: {
         "splitk": {"block_r": 64, "block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
         "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
         "qkv": {"block_r": 64, "block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
-    },
+    }},
+    "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 8, "stages": 2},
+    "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 1},
 }
-ATTENTION_SWEEP = [dict(block_m=m, splits=s, block_t=t, warps=w, stages=2)
-                   for m, s, t, w in [(64, 8, 64, 8), (64, 16, 64, 4), (64, 4, 128, 8), (128, 8, 64, 8),
-                                      (64, 8, 64, 4), (128, 4, 64, 8)]]
 
 
 def denoise_graph(fast, buf):
@@ -113,7 +100,8 @@ def prefix_attention(b: int, plen: int, heads: int, d: int) -> dict:
     bias = torch.where(valid, 0.0, MASK_VALUE).float()
 
     def ours():
-        return kernels.mqa_attention(q, k[:, :plen], v[:, :plen], bias[:, :plen].contiguous(), heads, plen, splits=1)
+        return kernels.mqa_attention(q, k[:, :plen], v[:, :plen], bias[:, :plen].contiguous(), heads, plen,
+                                     kernels.TUNING["prefix_attention"])
 
     def sdpa():
         qh = q.view(b, heads, plen, d)
@@ -205,32 +193,45 @@ def action_step_bench(model, cfg) -> dict:
     return out
 
 
-def main():
+def bench_run(name: str):
+    """The run's command line (--out), its results dict (device and versions filled in) and a `save`
+    that writes it as <name>.json under bench/results and --out."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    started = time.time()
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "triton": __import__("triton").__version__, "rungs": {}}
+                     "triton": __import__("triton").__version__}
 
     def save():
         for d in filter(None, [ROOT / "results", Path(args.out) if args.out else None]):
             d.mkdir(parents=True, exist_ok=True)
-            (d / "kernel_ladder.json").write_text(json.dumps(results, indent=1))
+            (d / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
+    return args, results, save
 
+
+def denoise_setup():
+    """Full-size Pi0.5 (random weights, bf16 + the fp32 set), an ungraphed FastRunner, and per batch
+    size its static buffers after one call (prefix K/V and pad filled) and that call's inputs."""
     cfg = ModelConfig.full_size()
     model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
-    model32 = copy.deepcopy(model).float()
     policy_config = PolicyConfig(cfg, CAMERA_NAMES, 14, 14)
     runner = FastRunner(model, policy_config, use_graphs=False)
-    fast = runner.fast
-    bufs, refs = {}, {}
+    bufs, calls = {}, {}
     for b in BATCHES:
-        inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
-        runner.sample(inputs, noise, STEPS, None)  # fills this batch size's buffers (prefix K/V, pad)
+        calls[b] = make_inputs(b, cfg.vlm.vocab_size, seed=b)
+        runner.sample(*calls[b], STEPS, None)
         bufs[b] = runner.buffers(b, TOKENS)
-        refs[b] = eager(model32, inputs, noise)
+    return cfg, model, policy_config, runner.fast, bufs, calls
+
+
+def main():
+    args, results, save = bench_run("kernel_ladder")
+    results["rungs"] = {}
+    started = time.time()
+    cfg, model, policy_config, fast, bufs, calls = denoise_setup()
+    model32 = copy.deepcopy(model).float()
+    refs = {b: eager(model32, *calls[b]) for b in BATCHES}
     log(f"built ({time.time() - started:.0f}s)")
 
     legacy: dict = {}
@@ -264,44 +265,9 @@ def main():
         log("PDL failed:", results["pdl_error"])
         kernels.TUNING["pdl"] = False
     save()
-    for key in ("attention", "batched", "action"):
+    for key in ("attention", "attention_batched", "batched", "action", "prefix_attention"):
         kernels.TUNING[key] = copy.deepcopy(defaults[key])
-    rung("3 tiles", "+ 128-row tiles at batch > 1, attention 64 x 8 splits (the defaults)")
-    save()
-
-    # Tile sweeps, one family at a time, each keeping the best so far (batches 2-8 for the batched
-    # GEMMs, batch 1 for the attention split: the latency case).
-    sweeps = {}
-    for family, configs in BATCHED_SWEEP.items():
-        timed = []
-        for c in configs:
-            kernels.TUNING["batched"][family] = c
-            try:
-                times = {b: time_denoise(fast, bufs[b]) for b in (2, 4, 8)}
-                timed.append((sum(t for t, _ in times.values()), c, {b: t for b, (t, _) in times.items()},
-                              maxdiff(times[8][1], legacy[8])))
-            except Exception as exc:  # a config the compiler rejects (shared memory)
-                log(f"{family} {c}: {type(exc).__name__}: {str(exc)[:120]}")
-        best = min(timed, key=lambda x: x[0])
-        kernels.TUNING["batched"][family] = best[1]
-        sweeps[f"batched_{family}"] = [{**{f"b{b}_denoise_ms": v for b, v in per.items()}, "vs_legacy_b8": d, **c}
-                                       for _, c, per, d in timed]
-        log(f"batched {family}: best {best[2]} {best[1]}")
-    timed = []
-    for c in ATTENTION_SWEEP:
-        kernels.TUNING["attention"] = c
-        try:
-            t1, out1 = time_denoise(fast, bufs[1])
-            t8, _ = time_denoise(fast, bufs[8])
-            timed.append((t1, t8, c, maxdiff(out1, legacy[1])))
-        except Exception as exc:
-            log(f"attention {c}: {type(exc).__name__}: {str(exc)[:120]}")
-    best = min(timed, key=lambda x: x[0])
-    kernels.TUNING["attention"] = best[2]
-    sweeps["attention"] = [{"b1_denoise_ms": t1, "b8_denoise_ms": t8, "vs_legacy_b1": d, **c} for t1, t8, c, d in timed]
-    log(f"attention: best b1 {best[0]:.3f} ms {best[2]}")
-    results["sweeps"] = sweeps
-    rung("4 sweep", "the sweeps' best around the defaults")
+    rung("3 tiles", "+ the committed launch configs (per-batch row tiles and attention splits)")
     results["kept_tuning"] = copy.deepcopy(kernels.TUNING)
     save()
 

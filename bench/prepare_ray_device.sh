@@ -21,7 +21,16 @@ download() {
 
 work=$(mktemp -d)
 download -d "$work/wheel" ray==2.60.0
-python3 -m zipfile -e "$work"/wheel/ray-2.60.0-*.whl "$work/tree"
+# Extracted keeping each file's mode: Ray's own binaries (gcs_server, raylet) must stay executable
+# (`python3 -m zipfile -e` drops the bits, and Ray then fails with a PermissionError at start).
+python3 - "$work"/wheel/ray-2.60.0-*.whl "$work/tree" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        if info.external_attr >> 16:
+            os.chmod(path, info.external_attr >> 16)
+PY
 (
   cd "$work/tree"
   rm -rf ray/jars ray/dashboard/client ray/rllib ray/data ray/train ray/tune ray/llm ray/air ray/workflow \

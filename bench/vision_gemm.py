@@ -103,11 +103,44 @@ def end_to_end() -> dict:
     return out
 
 
+def patch_embedding() -> dict:
+    """SigLIP's fp32 patch embedding (a 14x14 stride-14 convolution, 3 -> 1152 channels) at 3 and 24
+    images: the convolution (cuDNN) against the same sums as one GEMM over unfolded patches (cuBLAS
+    sgemm, TF32 off), both against a float64 convolution."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for n in (3, 24):
+        x = torch.rand(n, 3, 224, 224, device="cuda") * 2 - 1
+        w = torch.randn(1152, 3, 14, 14, device="cuda") * 588**-0.5
+        bias = torch.randn(1152, device="cuda")
+
+        def conv():
+            return F.conv2d(x, w, bias, stride=14).flatten(2).transpose(1, 2)
+
+        def gemm():
+            patches = x.view(n, 3, 16, 14, 16, 14).permute(0, 2, 4, 1, 3, 5).reshape(n, 256, 588)
+            return F.linear(patches, w.view(1152, 588), bias)
+
+        truth = F.conv2d(x.double(), w.double(), bias.double(), stride=14).flatten(2).transpose(1, 2)
+        out[n] = {"conv_us": triton.testing.do_bench(conv) * 1e3, "gemm_us": triton.testing.do_bench(gemm) * 1e3,
+                  "conv_vs_fp64": float((conv() - truth).abs().max()), "gemm_vs_fp64": float((gemm() - truth).abs().max())}
+        print("patch embedding", n, "images:", out[n], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--end-to-end", action="store_true", help="also the whole fast path with either library")
+    ap.add_argument("--patch-embedding", action="store_true", help="only the patch embedding: convolution vs GEMM")
     args = ap.parse_args()
+    if args.patch_embedding:
+        result = {"device": torch.cuda.get_device_name(), "patch_embedding": patch_embedding()}
+        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "patch_embedding.json").write_text(json.dumps(result, indent=1))
+        return
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "shapes": []}

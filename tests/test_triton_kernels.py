@@ -74,7 +74,10 @@ print(json.dumps(report))
 '''
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+# Batch 1, 2, 4 and 8 take each launch-config regime of kernels.TUNING in turn: single row tiles;
+# the 65-, 200- and 400-row tables of the batched GEMMs; the attention configs of batch 1, 4 and 8;
+# our prefix attention at batch 1 and SDPA (token-major q) from batch 2.
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
 def test_triton_kernels_match_stock_kernels(batch, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1] / "src"))
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(batch)], env=env, capture_output=True, text=True,
@@ -92,3 +95,17 @@ def test_triton_kernels_match_stock_kernels(batch, tmp_path):
         assert r["kv_triton_vs_stock16"] < 2e-2, (name, r)
         # The reference itself must be sound: fp16 rounding moves the actions by well under 5%.
         assert r["stock16_vs_fp32"] < 0.05 * r["scale"], (name, r)
+
+
+def test_launch_tables_pick_the_entry_for_each_batch_size():
+    # Each table applies from its key on (the largest key <= the batch, or <= the row count); below
+    # the first key of "attention_batched", batch 1's config; below the first row key, the first entry.
+    from vlaserve.runtime.fast import kernels
+
+    t = kernels.TUNING
+    assert kernels.attention_config(1) is t["attention"] and kernels.attention_config(3) is t["attention"]
+    assert kernels.attention_config(4) is t["attention_batched"][4] is kernels.attention_config(7)
+    assert kernels.attention_config(8) is t["attention_batched"][8] is kernels.attention_config(32)
+    assert kernels.batched_config(100) is t["batched"][65] is kernels.batched_config(199)
+    assert kernels.batched_config(10) is t["batched"][65]
+    assert kernels.batched_config(200) is t["batched"][200] and kernels.batched_config(1600) is t["batched"][400]

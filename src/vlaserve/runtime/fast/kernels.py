@@ -203,8 +203,8 @@ if triton is not None:
     @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
-                  k_batch_stride, q_batch_stride, PDL: tl.constexpr):
-        # One program per action token: sum the split-K partials of its q/k/v row, rotate q and k.
+                  k_batch_stride, q_batch_stride, TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+        # One program per token: sum the split-K partials of its q/k/v row, rotate q and k.
         row = tl.program_id(0)
         _await_inputs(PDL)
         b, tok = row // H, row % H
@@ -230,8 +230,12 @@ if triton is not None:
         out_lo = (x_lo * c).to(q_ptr.dtype.element_ty).to(tl.float32) - (x_hi * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         out_hi = (x_hi * c).to(q_ptr.dtype.element_ty).to(tl.float32) + (x_lo * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         d = tl.arange(0, HALF)[None, :]
-        # q layout [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis
-        q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
+        # q layout [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis; or
+        # TOKEN_MAJOR [B, H, HQ, D], the layout SDPA keeps for its output (no transposing copy after)
+        if TOKEN_MAJOR:
+            q_off = b * q_batch_stride + (tok * HQ + heads[:, None]) * 2 * HALF + d
+        else:
+            q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
         is_q = heads[:, None] < HQ
         tl.store(q_ptr + q_off, out_lo.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(q_ptr + q_off + HALF, out_hi.to(q_ptr.dtype.element_ty), mask=is_q)
@@ -308,7 +312,7 @@ if triton is not None:
     def _action_step(y_ptr, x_ptr, x_out_ptr, h_ptr, w_out_ptr, b_out_ptr, w_in_ptr, b_in_ptr, prev_ptr,
                      rtc_w_ptr, guide_ptr, R, H, dt, t, W: tl.constexpr, A: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, W_PER: tl.constexpr, HAS_OUT: tl.constexpr,
-                     HAS_IN: tl.constexpr, HAS_RTC: tl.constexpr, PDL: tl.constexpr):
+                     HAS_IN: tl.constexpr, HAS_RTC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         # Between two expert passes, in fp32 as the eager path: v = y @ W_out^T + b_out (y the
         # final-normed expert output), RTC guidance on v, x_out = x + dt * v, then the next step's
         # h = bf16(x_out @ W_in^T + b_in). Program (i, j) owns rows block i and h's columns
@@ -323,7 +327,9 @@ if triton is not None:
         x = tl.load(x_ptr + rows[:, None] * A + a[None, :], mask=live, other=0.0)
         if HAS_OUT:
             v = tl.zeros((BLOCK_R, A), dtype=tl.float32)
-            for k0 in range(0, W, BLOCK_K):
+            # Unrolled: the loads of every K block are independent, and issuing them together
+            # hides their latency (a plain loop waits on each in turn; no dot to pipeline it).
+            for k0 in tl.range(0, W, BLOCK_K, loop_unroll_factor=UNROLL):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 y = tl.load(y_ptr + rows[:, None] * W + ks[None, :], mask=live, other=0.0).to(tl.float32)
                 w_out = tl.load(w_out_ptr + a[:, None] * W + ks[None, :])  # [A, BLOCK_K]
@@ -339,7 +345,7 @@ if triton is not None:
             if pid_w == 0:
                 tl.store(x_out_ptr + rows[:, None] * A + a[None, :], x, mask=live)
         if HAS_IN:
-            for w0 in range(pid_w * W_PER, (pid_w + 1) * W_PER, BLOCK_W):
+            for w0 in tl.range(pid_w * W_PER, (pid_w + 1) * W_PER, BLOCK_W, loop_unroll_factor=UNROLL):
                 ws = w0 + tl.arange(0, BLOCK_W)
                 w_in = tl.load(w_in_ptr + ws[None, :] * A + a[:, None])  # [A, BLOCK_W]
                 h = tl.sum(x[:, :, None] * w_in[None, :, :], axis=1) + tl.load(b_in_ptr + ws)[None, :]
@@ -348,24 +354,41 @@ if triton is not None:
 
 # Launch configurations for the expert-step kernels. Defaults: the winners of sweeps on an H200
 # (docs/benchmarks.md): the single-tile GEMMs from `bench/bench_gpu.py --tune` (each kernel timed
-# with every layer's weights in turn, so that they stream from HBM as in a real step), attention,
-# "batched" and "action" from `bench/kernel_ladder.py` (the whole denoise graph at batch 1-8). The
-# single-tile GEMM configs hold for one row tile (batch 1: 50 rows); "batched" ones for more rows,
-# where each program covers `block_r` rows so that a weight tile is read once per 128 rows.
+# with every layer's weights in turn, so that they stream from HBM as in a real step); attention,
+# "batched", "action" and the prefix attention from `bench/tune_batches.py` (run 42: each batch
+# size's denoise graph, one family at a time). The single-tile GEMM configs hold for one row tile
+# (batch 1: 50 rows); "batched" ones, by the row count they start at, for more rows, where each
+# program covers `block_r` rows so that a weight tile is read once per 64 or 128 rows.
 TUNING = {
     "splitk": {"block_r": 64, "block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
     "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
     "qkv": {"block_r": 64, "block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
+    # The expert's attention (50 x 8 query rows per item, keys split across programs) at batch 1,
+    # and from each batch size listed in "attention_batched" on (the largest key <= the batch).
+    # (SDPA instead was slower at every batch size, run 42: 22.7 vs 15.9 ms of denoise at batch 8.)
     "attention": {"block_m": 64, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
+    "attention_batched": {
+        4: {"block_m": 64, "splits": 4, "block_t": 64, "warps": 4, "stages": 2},
+        8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
+    },
+    # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU).
+    "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 4, "stages": 2},
     # action_step up to max_rows rows (batch x horizon): at batch 1 it beats the eager ops (fp32
     # cuBLAS + elementwise: 445 -> 269 us per call, run 28); from batch 2 on they are faster.
-    "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64},
+    "action": {"block_r": 2, "block_k": 128, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 4},
     "batched": {
-        # Run 29's sweep over batches 2, 4 and 8 (bench/kernel_ladder.py). block_n None: the widest
-        # column tile (16..128) that still gives every SM a program across the row tiles.
-        "splitk": {"block_r": 128, "block_n": 32, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
-        "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
-        "qkv": {"block_r": 128, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4},
+        # From 65 rows (batch 2 of a 50-step chunk), 200 (batch 4) and 400 (batch 8). block_n
+        # None: the widest column tile (16..128) that still gives every SM a program across the
+        # row tiles; warps None: 8 from 64-column tiles on.
+        65: {"splitk": {"block_r": 64, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
+             "geglu": {"block_r": 64, "block_n": 32, "block_k": 64, "warps": 4, "stages": 3},
+             "qkv": {"block_r": 64, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}},
+        200: {"splitk": {"block_r": 128, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 8, "stages": 4},
+              "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
+              "qkv": {"block_r": 128, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}},
+        400: {"splitk": {"block_r": 128, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
+              "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "warps": 8, "stages": 3},
+              "qkv": {"block_r": 128, "block_n": 64, "block_k": 64, "warps": 8, "stages": 4}},
     },
     # The prefix's attention from this batch size on through SDPA (cuDNN / flash): it beats our
     # one-split Triton kernel once the batch fills the GPU (run 26: 285 vs 402 us at batch 8; at
@@ -393,15 +416,23 @@ def _pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def batched_config(rows: int) -> dict:
+    """The batched GEMM configs for `rows` rows: the entry with the largest start <= rows (or the
+    first entry)."""
+    table = TUNING["batched"]
+    starts = [r for r in table if r <= rows]
+    return table[max(starts) if starts else min(table)]
+
+
 def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[dict, int]:
     """The launch config of GEMM family `name` for `rows` x `columns` outputs, and its rows per
-    program. One row tile (batch 1) has its own tuned config; more rows take 128-row tiles, so a
-    weight tile is read once per 128 rows, and column tiles sized for about `programs` programs
-    (one per SM of an H200's 132)."""
+    program. One row tile (batch 1) has its own tuned config; more rows take the "batched" table's
+    row tiles, and column tiles sized for about `programs` programs (one per SM of an H200's 132)
+    where its block_n is None."""
     single = TUNING[name]
     if rows <= single["block_r"]:
         return single, max(16, _pow2(rows))
-    cfg = dict(TUNING["batched"][name])
+    cfg = dict(batched_config(rows)[name])
     block_r = cfg["block_r"]
     if cfg["block_n"] is None:
         wide = columns * -(-rows // block_r) // programs
@@ -496,12 +527,14 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
+                        token_major: bool = False) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
     projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
-    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
+    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis), or with
+    `token_major` (projection outputs only) q [B, tokens, num_heads, D].
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]
@@ -518,35 +551,38 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
-    return q
+                    q_batch_stride=q.stride(0), TOKEN_MAJOR=token_major, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+    return q.view(b, tokens, num_heads, d) if token_major else q
 
 
-def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, splits: int | None = None) -> torch.Tensor:
+def attention_config(batch: int):
+    """The expert attention's launch config at this batch size."""
+    sizes = [s for s in TUNING["attention_batched"] if s <= batch]
+    return TUNING["attention_batched"][max(sizes)] if sizes else TUNING["attention"]
+
+
+def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: dict) -> torch.Tensor:
     """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D], bias [B, T] fp32
-    -> [B, tokens, num_heads * D] (token-major, ready for o_proj). splits=None: the tuned
-    key split for short query sets (the expert); 1 for long ones (the prefix)."""
+    -> [B, tokens, num_heads * D] (token-major, ready for o_proj). cfg: block_m, splits, block_t,
+    warps, stages (several key splits add a log-sum-exp merge)."""
     b, nq, d = q.shape
     t = k_cache.shape[1]
-    cfg = TUNING["attention"]
-    if splits is None:
-        splits, block_m, block_t, warps, stages = cfg["splits"], cfg["block_m"], cfg["block_t"], cfg["warps"], cfg["stages"]
-    else:
-        block_m, block_t, warps, stages = 64, 64, 8, 2
+    splits, block_m, block_t = cfg["splits"], cfg["block_m"], cfg["block_t"]
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
     pdl = pdl_enabled()
+    launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     if splits == 1:
         _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5,
                          q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
-                         D=d, DIRECT=True, PDL=pdl, num_warps=warps, num_stages=stages, **_pdl_launch(pdl))
+                         D=d, DIRECT=True, PDL=pdl, **launch)
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
     _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
-                     D=d, DIRECT=False, PDL=pdl, num_warps=warps, num_stages=stages, **_pdl_launch(pdl))
+                     D=d, DIRECT=False, PDL=pdl, **launch)
     _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, PDL=pdl, num_warps=4,
                           **_pdl_launch(pdl))
     return out
@@ -577,4 +613,4 @@ def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_o
         x if w_out is None else w_out, x if b_out is None else b_out, x if w_in is None else w_in,
         x if b_in is None else b_in, prev, weights, guidance, r, horizon, dt, t, W=width, A=a, BLOCK_R=block_r,
         BLOCK_K=cfg["block_k"], BLOCK_W=block_w, W_PER=width // chunks, HAS_OUT=y is not None,
-        HAS_IN=h is not None, HAS_RTC=rtc is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+        HAS_IN=h is not None, HAS_RTC=rtc is not None, UNROLL=cfg.get("unroll", 1), PDL=pdl, num_warps=4, **_pdl_launch(pdl))

@@ -77,8 +77,7 @@ class FastPi05:
         """[N, 3, S, S] -> post-layernorm features [N, patches, W] (model dtype)."""
         vis = self.model.vision
         d = vis.dims
-        x = vis.patch_embedding(images).flatten(2).transpose(1, 2) + vis.position_embedding.weight
-        x = x.to(self.dtype).contiguous()
+        x = (self._patch_embedding(images) + vis.position_embedding.weight).to(self.dtype).contiguous()
         n, p, _ = x.shape
         if self.use_triton:
             return self._vision_triton(x.view(n * p, -1), n, p).view(n, p, -1)
@@ -94,6 +93,17 @@ class FastPi05:
             x = x + lyr.mlp.fc2(F.gelu(lyr.mlp.fc1(y.to(self.dtype)), approximate="tanh"))
         post = vis.post_layernorm
         return F.layer_norm(x.float(), (d.width,), post.weight.float(), post.bias.float(), d.layer_norm_eps).to(self.dtype)
+
+    def _patch_embedding(self, images: torch.Tensor) -> torch.Tensor:
+        """The patch embedding (a stride-p p x p convolution, fp32) as one GEMM over the unfolded
+        patches [N, patches, 3 p p]: the same products and sums, 2.2x faster than the convolution on
+        an H200 (run 44: 220 vs 488 us for 24 images; both 3.3e-6 from a float64 convolution)."""
+        conv = self.model.vision.patch_embedding
+        n, c, height, width = images.shape
+        p = conv.kernel_size[0]
+        patches = images.to(conv.weight.dtype).view(n, c, height // p, p, width // p, p)
+        patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(n, (height // p) * (width // p), c * p * p)
+        return F.linear(patches, conv.weight.view(conv.weight.shape[0], -1), conv.bias)
 
     def _vision_attention(self, qkv: torch.Tensor, n: int, p: int) -> torch.Tensor:
         d = self.model.vision.dims
@@ -173,10 +183,12 @@ class FastPi05:
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
+        sdpa = b >= kernels.TUNING["prefix_sdpa_min_batch"]
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
-            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
+            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen,
+                                            token_major=sdpa)
             if i == len(layers) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
             attn = self._prefix_attention(q, *kv, key_bias, b, plen)
@@ -185,12 +197,14 @@ class FastPi05:
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 
     def _prefix_attention(self, q, k, v, key_bias, b: int, plen: int) -> torch.Tensor:
-        """MQA over the prefix: q [B, heads * P, D] head-major, k/v [B, P, D] -> [B, P, heads * D]."""
+        """MQA over the prefix, k/v [B, P, D] -> [B, P, heads * D]: our kernel on q [B, heads * P, D]
+        (head-major), or from prefix_sdpa_min_batch on SDPA on q [B, P, heads, D] (token-major:
+        SDPA's output keeps q's layout, so o_proj reads it without a transposing copy)."""
         heads, d = self.vlm_dims.num_heads, self.vlm_dims.head_dim
         if b < kernels.TUNING["prefix_sdpa_min_batch"]:
-            return kernels.mqa_attention(q, k, v, key_bias, heads, plen, splits=1)
+            return kernels.mqa_attention(q, k, v, key_bias, heads, plen, kernels.TUNING["prefix_attention"])
         mask = key_bias[:, None, None, :].to(q.dtype)
-        out = F.scaled_dot_product_attention(q.view(b, heads, plen, d), k[:, None], v[:, None], attn_mask=mask,
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, None], v[:, None], attn_mask=mask,
                                              enable_gqa=True)
         return out.transpose(1, 2).reshape(b, plen, heads * d)
 
@@ -254,7 +268,8 @@ class FastPi05:
         for i, lw in enumerate(self.w.expert):
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
             q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
-            attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon)
+            attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
+                                         kernels.attention_config(b))
             y = kernels.linear_residual_norm(attn.view(b * horizon, -1), lw.o, h2d, sched.gate[step, i, 0],
                                              sched.scale1p[step, i, 1], sched.shift[step, i, 1], eps)
             act = kernels.geglu_linear(y, lw.gate_up)
