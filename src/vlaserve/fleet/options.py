@@ -23,7 +23,7 @@ RAY_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "app_name": (str, "vlaserve", "NAME", "the Ray Serve application name"),
     "direct_websockets": (bool, False, None, "robots' websockets go straight to their replica's own port (a "
                                              "redirect at the handshake): no proxy hop per message; robots must "
-                                             "reach the replica hosts, and the autoscaler does not count them"),
+                                             "reach the replica hosts (each replica reports them to the autoscaler)"),
 }
 
 

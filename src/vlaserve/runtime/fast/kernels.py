@@ -390,9 +390,10 @@ TUNING = {
               "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "warps": 8, "stages": 3},
               "qkv": {"block_r": 128, "block_n": 64, "block_k": 64, "warps": 8, "stages": 4}},
     },
-    # The prefix's attention from this batch size on through SDPA (cuDNN / flash): it beats our
-    # one-split Triton kernel once the batch fills the GPU (run 26: 285 vs 402 us at batch 8; at
-    # batch 1 ours wins, 55 vs 70 us).
+    # The prefix's attention from this batch size on through SDPA (cuDNN): it ties our one-split
+    # Triton kernel at batch 2 and beats it from 4 on (run 48: 83.4 vs 83.0 us per layer at batch
+    # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
+    # ours wins, 44.8 vs 73.0 us.
     "prefix_sdpa_min_batch": 2,
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
