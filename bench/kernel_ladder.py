@@ -10,6 +10,8 @@ The denoise stage (10 Euler steps, one CUDA graph) at batch 1 and 8; each rung a
   2 pdl      + programmatic dependent launch (each kernel waits at its start)
   3 tiles    + the committed launch configs: per-batch row tiles and attention splits (the
              defaults; bench/tune_batches.py sweeps them per batch size)
+  4 norms    + the AdaRMS norms inside the GEMMs (`fused_norms`: the split-K GEMM's last split per
+             tile adds the residual, the next GEMM normalizes as it loads; no norm kernels)
 (Runs 26-28 also had rungs that loaded the first weight tile before the wait and prefetched the
 rest into L2: both slower, removed; docs/benchmarks.md.)
 Per rung: p50 ms, max|Δ| of actions vs rung 0 and vs the fp32 eager model; PDL on vs off must be
@@ -56,6 +58,7 @@ LEGACY_TUNING = {
     }},
     "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 8, "stages": 2},
     "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 1},
+    "fused_norms": False,
 }
 
 
@@ -268,6 +271,8 @@ def main():
     for key in ("attention", "attention_batched", "batched", "action", "prefix_attention"):
         kernels.TUNING[key] = copy.deepcopy(defaults[key])
     rung("3 tiles", "+ the committed launch configs (per-batch row tiles and attention splits)")
+    kernels.TUNING["fused_norms"] = defaults["fused_norms"]
+    rung("4 norms", "+ the AdaRMS norms inside the GEMMs (no norm kernels)")
     results["kept_tuning"] = copy.deepcopy(kernels.TUNING)
     save()
 
