@@ -38,8 +38,6 @@ def main():
     _, results, save = bench_run("fusion_bounds")
     started = time.time()
     _, _, _, fast, bufs, _ = denoise_setup()
-    # The bound is for the path with norm kernels (run 49); `fused_norms` since moved them into the GEMMs.
-    kernels.TUNING["fused_norms"] = False
     log(f"built ({time.time() - started:.0f}s)")
     committed_norm, committed_merge = kernels.linear_residual_norm, kernels._mqa_merge
     variants = {"committed": (committed_norm, committed_merge), "no_norms": (_without_norm, committed_merge),

@@ -10,8 +10,8 @@ The denoise stage (10 Euler steps, one CUDA graph) at batch 1 and 8; each rung a
   2 pdl      + programmatic dependent launch (each kernel waits at its start)
   3 tiles    + the committed launch configs: per-batch row tiles and attention splits (the
              defaults; bench/tune_batches.py sweeps them per batch size)
-  4 norms    + the AdaRMS norms inside the GEMMs (`fused_norms`: the split-K GEMM's last split per
-             tile adds the residual, the next GEMM normalizes as it loads; no norm kernels)
+  4 cublas   + the expert's qkv and gate_up GEMMs through cuBLAS from batch 4 (kernels.TUNING
+             "cublas_from_batch"; bench/expert_gemms.py measures every subset)
 (Runs 26-28 also had rungs that loaded the first weight tile before the wait and prefetched the
 rest into L2: both slower, removed; docs/benchmarks.md.)
 Per rung: p50 ms, max|Δ| of actions vs rung 0 and vs the fp32 eager model; PDL on vs off must be
@@ -58,7 +58,7 @@ LEGACY_TUNING = {
     }},
     "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 8, "stages": 2},
     "action": {"block_r": 2, "block_k": 64, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 1},
-    "fused_norms": False,
+    "cublas_from_batch": {},
 }
 
 
@@ -91,15 +91,16 @@ def time_denoise(fast, buf) -> tuple[float, torch.Tensor]:
     return t, result
 
 
-def prefix_attention(b: int, plen: int, heads: int, d: int) -> dict:
-    """The prefix's attention alone (MQA, one KV head): our Triton kernel vs SDPA, one graph each."""
+def prefix_attention(b: int, plen: int, heads: int, d: int, pads: int = 130) -> dict:
+    """The prefix's attention alone (MQA, one KV head; the last `pads` keys masked): our Triton
+    kernel vs SDPA in three layouts, one graph each."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, heads * plen, d, device="cuda", dtype=torch.bfloat16, generator=g)
     cache = -(-plen // 64) * 64
     k = torch.randn(b, cache, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     valid = torch.zeros(b, cache, dtype=torch.bool, device="cuda")
-    valid[:, :plen - 130] = True
+    valid[:, :plen - pads] = True
     bias = torch.where(valid, 0.0, MASK_VALUE).float()
 
     def ours():
@@ -112,8 +113,23 @@ def prefix_attention(b: int, plen: int, heads: int, d: int) -> dict:
         o = F.scaled_dot_product_attention(qh, k[:, None, :plen], v[:, None, :plen], attn_mask=mask, enable_gqa=True)
         return o.transpose(1, 2).reshape(b, plen, heads * d)
 
+    # The layout model.py gives SDPA: q token-major [B, P, heads, D] (its output keeps it).
+    q_tokens = q.view(b, heads, plen, d).transpose(1, 2).contiguous()
+    mask_bf16 = bias[:, None, None, :plen].to(torch.bfloat16)
+
+    def sdpa_token_major():
+        o = F.scaled_dot_product_attention(q_tokens.transpose(1, 2), k[:, None, :plen], v[:, None, :plen],
+                                           attn_mask=mask_bf16, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, plen, heads * d)
+
+    def sdpa_folded():  # MQA as one head with a heads-times longer query axis (row = token * heads + head)
+        o = F.scaled_dot_product_attention(q_tokens.view(b, 1, plen * heads, d), k[:, None, :plen],
+                                           v[:, None, :plen], attn_mask=mask_bf16)
+        return o.view(b, plen, heads * d)
+
     out = {}
-    for name, fn in (("triton", ours), ("sdpa", sdpa)):
+    for name, fn in (("triton", ours), ("sdpa", sdpa), ("sdpa_token_major", sdpa_token_major),
+                     ("sdpa_folded", sdpa_folded)):
         fn()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -122,10 +138,13 @@ def prefix_attention(b: int, plen: int, heads: int, d: int) -> dict:
         out[f"{name}_out"] = res
     # Valid query rows only: padding queries are treated differently on purpose (model.py).
     rows = valid[:, :plen]
-    out["max_delta_valid_rows"] = float(((out.pop("triton_out") - out.pop("sdpa_out")).float().abs()
-                                         * rows[:, :, None]).max())
+    reference = out.pop("triton_out")
     flop = 4 * b * heads * plen * plen * d
-    out["triton_tflops"], out["sdpa_tflops"] = flop / out["triton_us"] / 1e6, flop / out["sdpa_us"] / 1e6
+    out["triton_tflops"] = flop / out["triton_us"] / 1e6
+    for name in ("sdpa", "sdpa_token_major", "sdpa_folded"):
+        out[f"{name}_max_delta_valid_rows"] = float(((out.pop(f"{name}_out") - reference).float().abs()
+                                                     * rows[:, :, None]).max())
+        out[f"{name}_tflops"] = flop / out[f"{name}_us"] / 1e6
     return out
 
 
@@ -271,8 +290,8 @@ def main():
     for key in ("attention", "attention_batched", "batched", "action", "prefix_attention"):
         kernels.TUNING[key] = copy.deepcopy(defaults[key])
     rung("3 tiles", "+ the committed launch configs (per-batch row tiles and attention splits)")
-    kernels.TUNING["fused_norms"] = defaults["fused_norms"]
-    rung("4 norms", "+ the AdaRMS norms inside the GEMMs (no norm kernels)")
+    kernels.TUNING["cublas_from_batch"] = copy.deepcopy(defaults["cublas_from_batch"])
+    rung("4 cublas", "+ qkv and gate_up through cuBLAS from batch 4 (bench/expert_gemms.py)")
     results["kept_tuning"] = copy.deepcopy(kernels.TUNING)
     save()
 

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file, save_file
 
 from vlaserve import CheckpointError, InvalidObservation, Policy
+from vlaserve.config import RuntimeConfig
 from vlaserve.errors import ConfigError, InvalidInput
 from vlaserve.model.gemma import AdaRMSNorm, RMSNorm
 from vlaserve.processing.images import prepare_image, resized_shape
@@ -291,6 +292,30 @@ def test_prompt_buckets_shrink_the_prefix_and_keep_the_actions(golden):
     # float32 summation order of the shorter softmax differs: ~1e-7, well below 1e-5.
     assert np.abs(plain.infer(obs, noise=noise).actions - bucketed.infer(obs, noise=noise).actions).max() < 1e-5
     assert bucketed.metadata["prompt_buckets"] == [48, 96, 200]
+    # The default ("auto") keeps the reference's prompt length on a CPU.
+    assert plain.metadata["prompt_buckets"] is None
+    assert plain.preprocessor.collate([plain.request(obs)])[0].tokens.shape[1] == 200
+
+
+@pytest.mark.parametrize("given,max_len,device,expected", [
+    ("auto", 200, "cuda", (96,)),  # half of LeRobot's 200-token default, a multiple of 16
+    ("auto", 48, "cuda", (16,)),  # Pi0's 48
+    ("auto", 20, "cuda", ()),  # half would be under 16 tokens: no bucket
+    ("auto", 200, "cpu", ()),  # a CPU keeps the reference's shapes
+    ("none", 200, "cuda", ()),
+    ("", 200, "cuda", ()),
+    ("96,48", 200, "cpu", (48, 96)),  # given lengths hold on every device
+    ((64,), 200, "cuda", (64,)),
+])
+def test_prompt_buckets_option_resolves_per_device(given, max_len, device, expected):
+    assert RuntimeConfig(prompt_buckets=given).resolved_prompt_buckets(max_len, device) == expected
+
+
+def test_prompt_buckets_option_is_validated():
+    assert RuntimeConfig().prompt_buckets == "auto" and RuntimeConfig(prompt_buckets="AUTO").prompt_buckets == "auto"
+    for bad in ("4x", "auto,48", "0"):
+        with pytest.raises(ConfigError, match="prompt_buckets"):
+            RuntimeConfig(prompt_buckets=bad)
 
 
 def test_auto_dtype_is_float32_on_the_cpu(golden):

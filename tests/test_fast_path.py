@@ -55,3 +55,39 @@ def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
     for layer in range(layers):
         ref = torch.from_numpy(case.tensors[f"expected.prefix_kv.{layer}.key"])[:, 0]
         assert ((k[layer, :, :plen] - ref).abs() * valid).max() < 1e-5
+
+
+def test_a_prompt_bucket_runs_on_views_of_the_full_length_buffers(fast_policy):
+    # FastRunner serves a prompt bucket from views of its batch size's full-length buffers (no
+    # memory of its own): the prefix and Euler steps must give the reference's actions through them.
+    from vlaserve.runtime.fast.buffers import BufferSpec
+
+    policy, fast = fast_policy
+    case = GoldenCase.load(CASES[0])
+    inputs, _, _ = policy.preprocessor.collate([policy.request(o) for o in case.observations()])
+    b, full_len = inputs.tokens.shape
+    bucket = int(inputs.token_mask.sum(1).max()) + 1  # the longest prompt fits, one pad to spare
+    assert bucket < full_len
+    dtype = policy.model.vlm.dtype
+    full = BufferSpec.of(policy.config, b, dtype).allocate("cpu")
+    spec = BufferSpec.of(policy.config, b, dtype, bucket)
+    view = spec.views(full)
+    for name, (shape, _) in spec.layout().items():
+        assert tuple(view[name].shape) == shape and view[name].data_ptr() == full[name].data_ptr()
+    assert view["k_cache"].shape[2] < full["k_cache"].shape[2] and not view["k_cache"].is_contiguous()
+    view["tokens"].copy_(inputs.tokens[:, :bucket])
+    view["token_mask"].copy_(inputs.token_mask[:, :bucket])
+    view["images"].copy_(inputs.images)
+    view["image_masks"].copy_(inputs.image_masks)
+    present = inputs.image_masks.any(0).tolist()
+    sched = fast.schedule(case.meta["num_steps"])
+    with torch.no_grad():
+        pad = fast.prefix(view["images"], view["image_masks"], view["tokens"], view["token_mask"], view["k_cache"],
+                          view["v_cache"], len(present) - present[::-1].index(True))
+        actions = fast.denoise(pad, torch.from_numpy(case.tensors["input.noise"]), sched, view["k_cache"],
+                               view["v_cache"])
+    expected = torch.from_numpy(case.tensors["expected.actions_model"])
+    # The padding the bucket drops is masked in the reference: the same function, other GEMM shapes.
+    assert (actions - expected).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="does not fit"):
+        BufferSpec.of(policy.config, b + 1, dtype).views(full)

@@ -38,9 +38,6 @@ tmask = torch.ones(b, tokens, dtype=torch.bool)
 tmask[:, 6:] = False
 noise = torch.randn(b, horizon, 32)
 rtc_in = RTCGuidance(torch.randn(b, horizon, 32), torch.rand(b, horizon), torch.full((b,), 5.0))
-tickets = []  # every call's ticket counters: each kernel must hand back the ones it took
-new_tickets = kernels.new_tickets
-kernels.new_tickets = lambda device: tickets.append(new_tickets(device)) or tickets[-1]
 
 def run(dtype, use_triton, with_rtc):
     model = random_model(cfg, dtype, "cpu", seed=1, std=0.05)
@@ -72,8 +69,6 @@ for with_rtc in (False, True):
         "triton_vs_fp32": float((tri - ref32).abs().max()),
         "kv_triton_vs_stock16": float(((k_tri - k16)[:, :, :pad.shape[1]].abs() * valid).max()),
         "scale": float(ref32.abs().max()),
-        "tickets_left": int(sum(int(t.abs().sum()) for t in tickets)),
-        "tickets_used": len(tickets),
     }
 print(json.dumps(report))
 '''
@@ -100,8 +95,6 @@ def test_triton_kernels_match_stock_kernels(batch, tmp_path):
         assert r["kv_triton_vs_stock16"] < 2e-2, (name, r)
         # The reference itself must be sound: fp16 rounding moves the actions by well under 5%.
         assert r["stock16_vs_fp32"] < 0.05 * r["scale"], (name, r)
-        # The split-K GEMMs' tickets count arrivals and are reset by the tile's last split.
-        assert r["tickets_used"] >= 1 and r["tickets_left"] == 0, (name, r)
 
 
 def test_launch_tables_pick_the_entry_for_each_batch_size():

@@ -57,6 +57,7 @@ class Policy:
         dtype = resolve_dtype(settings.dtype, device)
         directory = resolve_checkpoint(path_or_id)
         config = load_policy_config(directory)
+        settings = replace(settings, prompt_buckets=settings.resolved_prompt_buckets(config.max_token_len, device.type))
         family = family_of(config)
         pipeline = ProcessorPipeline.load(directory, config)
         tokenizer = PromptTokenizer.from_path(find_tokenizer(directory, settings.tokenizer, pipeline.tokenizer_name))

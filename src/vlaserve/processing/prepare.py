@@ -39,8 +39,9 @@ class Preprocessor:
         self.action_norm = pipeline.action_unnormalizer.cut(config.action_dim)
         if prompt_buckets and not 1 <= prompt_buckets[0] <= prompt_buckets[-1] <= config.max_token_len:
             raise ValueError(f"prompt buckets must lie in [1, {config.max_token_len}]")
-        # Opt-in: pad prompts only to the smallest bucket that holds the batch's longest prompt.
-        # Padding is masked, so actions change only by float reassociation.
+        # Pad prompts only to the smallest bucket that holds the batch's longest prompt (buckets
+        # resolved by RuntimeConfig.resolved_prompt_buckets). Padding is masked, so actions change
+        # only by float reassociation.
         self.prompt_buckets = tuple(sorted({*prompt_buckets, config.max_token_len})) if prompt_buckets else ()
 
     @property

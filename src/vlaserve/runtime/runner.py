@@ -182,8 +182,9 @@ class Runtime:
 
     def _warm_up(self, fast) -> None:
         """Every graph the server will replay, captured before it is ready: each batch size of
-        settings.graph_sizes (all up to the batch limit, or the ladder), each camera layout, the
-        checkpoint's step count, with and without RTC."""
+        settings.graph_sizes (all up to the batch limit, or the ladder), each prompt bucket and the
+        checkpoint's prompt length, each camera layout, the checkpoint's step count, with and
+        without RTC."""
         started = time.perf_counter()
         # The allocator's reserved bytes, its unused cache returned first on both sides: what stays is
         # the static buffers and the graphs' private pools (free device memory also moves with other
@@ -191,7 +192,7 @@ class Runtime:
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         sizes = self.settings.graph_sizes
-        fast.warmup(sizes, self.config.num_inference_steps)
+        fast.warmup(sizes, self.config.num_inference_steps, self.settings.prompt_buckets)
         torch.cuda.empty_cache()
         self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}

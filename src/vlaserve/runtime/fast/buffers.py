@@ -1,9 +1,10 @@
 """The fast path's static buffers, described once: `BufferSpec` allocates them for the runner and
 sums their bytes for the memory estimate (runtime/memory.py), so the two can never disagree.
 
-One set per (batch size, prompt length). The K/V cache holds the prefix's keys and values in its
-first `prefix_len` rows and the action tokens' in the next `horizon`, padded to the attention
-kernels' key tile.
+One set per batch size, at the checkpoint's prompt length; a shorter prompt length (a prompt
+bucket) uses views of its leading rows (`views`), so buckets add graphs but no buffer memory. The
+K/V cache holds the prefix's keys and values in its first `prefix_len` rows and the action tokens'
+in the next `horizon`, padded to the attention kernels' key tile.
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ class BufferSpec:
                 n *= s
             total += n
         return total
+
+    def views(self, larger: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This spec's buffers as views of the leading part of a larger set (same batch size, a
+        longer prompt): every dimension here is at most the larger one's. The kernels address the
+        K/V cache through its strides, so a view of fewer rows per item serves as it is."""
+        out = {}
+        for name, (shape, _) in self.layout().items():
+            full = larger[name]
+            if any(s > f for s, f in zip(shape, full.shape)):
+                raise ValueError(f"buffer {name}: {shape} does not fit in {tuple(full.shape)}")
+            out[name] = full[tuple(slice(0, s) for s in shape)]
+        return out
 
     def allocate(self, device) -> dict[str, torch.Tensor]:
         # Masks start all-true and the rest zero: a warm-up replay on them computes finite values.

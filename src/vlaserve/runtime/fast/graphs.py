@@ -1,6 +1,7 @@
-"""CUDA graphs over the fast path: static buffers per (batch size, prompt length), one graph for the
-prefix (per batch size, prompt length and vision slots) and one for all Euler steps (per batch size,
-prompt length, step count and RTC on/off), replayed back to back with events between them.
+"""CUDA graphs over the fast path: static buffers per batch size (a prompt bucket uses views of
+them), one graph for the prefix (per batch size, prompt length and vision slots) and one for all
+Euler steps (per batch size, prompt length, step count and RTC on/off), replayed back to back with
+events between them.
 
 `FastRunner.launch` is: pick the buffers, copy the inputs in, replay (or run: larger batches than
 the profile's graph cap, and the offload profile's prefix, run the same kernels without a graph),
@@ -87,9 +88,13 @@ class FastRunner:
         self._denoise_graphs: dict[tuple, _Graph] = {}
 
     def buffers(self, b: int, token_len: int) -> dict:
+        """The static buffers of batch size b: allocated at the checkpoint's prompt length, views of
+        those for a shorter one (a prompt bucket; the calls of one runner run in stream order)."""
         if (b, token_len) not in self._buffers:
             spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
-            self._buffers[(b, token_len)] = spec.allocate(self.device)
+            full = self.config.max_token_len
+            self._buffers[(b, token_len)] = (spec.views(self.buffers(b, full)) if token_len < full
+                                             else spec.allocate(self.device))
         return self._buffers[(b, token_len)]
 
     def _graphed(self, graphs: dict, key: tuple, fn):
@@ -204,23 +209,26 @@ class FastRunner:
         return PrefixEntry(buf["k_cache"][:, i, :plen].clone(), buf["v_cache"][:, i, :plen].clone(),
                            buf["pad"][i].clone())
 
-    def warmup(self, batch_sizes=(1,), num_steps: int = 10) -> None:
+    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] = ()) -> None:
         """Compiles the kernels and captures the graphs of every batch size in `batch_sizes`, every
+        prompt length in `token_lens` (the prompt buckets; the checkpoint's length always), every
         camera layout (how many leading slots are present), with and without RTC; then freezes."""
         cameras, horizon, width = len(self.config.cameras), self.config.action_horizon, self.config.model.max_action_dim
+        lengths = sorted({*token_lens, self.config.max_token_len}, reverse=True)
         # Largest first, as nano-vllm does: the graphs share one pool, and a smaller batch's tensors
         # then fit in blocks a larger one freed (ascending, each size grew the pool anew: run 32).
         for b in sorted(batch_sizes, reverse=True):
-            buf = self.buffers(b, self.config.max_token_len)
-            noise = torch.randn_like(buf["noise"])
-            for slots in range(cameras, 0, -1):
-                masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
-                inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"],
-                                     buf.get("state"))
-                self.sample(inputs, noise, num_steps, None)
-            rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
-                              torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
-            self.sample(inputs, noise, num_steps, rtc)
+            for length in lengths:
+                buf = self.buffers(b, length)
+                noise = torch.randn_like(buf["noise"])
+                for slots in range(cameras, 0, -1):
+                    masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
+                    inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"],
+                                         buf.get("state"))
+                    self.sample(inputs, noise, num_steps, None)
+                rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
+                                  torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
+                self.sample(inputs, noise, num_steps, rtc)
         self._sizes = tuple(sorted(batch_sizes))
         self.frozen = True
 

@@ -6,15 +6,11 @@ follows each GEMM into the pass that reduces its partial sums:
 - qkv:     split-K GEMM -> reduce + RoPE + write q, and k/v straight into the K/V cache tail
 - attention: MQA with the 8 query heads folded into one query axis, keys split across programs,
            then a log-sum-exp merge
-- o, down: split-K GEMM; each output tile's last split reduces the partials, adds the gated
-           residual and leaves its rows' sums of squares, so the next GEMM (gate_up, or the next
-           layer's qkv) applies the AdaRMS norm to h as it loads it: no norm kernel between them
-           (`fused_norms`; otherwise a norm kernel reduces, adds and normalizes, one row per program)
+- o, down: split-K GEMM -> reduce + gated residual + the next AdaRMS norm (one row per program)
 - gate_up: one GEMM with both halves in the same program -> GeGLU in the epilogue
 - action in/out: the fp32 projections between the expert and the Euler update, with the update
            (and real-time chunking's guidance) in between: one kernel per step
-Partial sums are written, not atomically added, and reduced in a fixed order (atomics only count
-arrivals), so results are bit-reproducible.
+Partial sums are written, not atomically added, so results are bit-reproducible.
 
 On Hopper the expert kernels are launched with programmatic dependent launch (PDL): kernel k+1 is
 launched and its programs placed on the SMs while kernel k runs; each waits
@@ -27,7 +23,6 @@ docs/benchmarks.md, runs 27-28.)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -64,9 +59,8 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _splitk_gemm(x_ptr, w_ptr, p_ptr, h_ptr, gate_ptr, ss_ptr, ticket_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,60 +71,21 @@ if triton is not None:
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
             w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
             acc += tl.dot(x, tl.trans(w))
-        live = (rows[:, None] < R) & (cols[None, :] < N)
-        tile = rows[:, None] * N + cols[None, :]
-        tl.store(p_ptr + pid_k * R * N + tile, acc, mask=live)
-        if RESIDUAL:
-            # The last of the tile's K splits to finish (a ticket per output tile) reduces the
-            # partials in split order, whichever it is, so the sum has the same bits every run:
-            # h += gate * sum, rounded as the eager path, and the new rows' sums of squares over
-            # this column tile, from which the next GEMM normalizes h (_normed_tile). The barrier
-            # orders every thread's partial store before the ticket's release (CUTLASS's semaphore
-            # pattern); the winner reads the other partials through L2 (.cg), past a stale L1.
-            tl.debug_barrier()
-            ticket = tl.program_id(2) * tl.num_programs(0) + pid_n
-            if tl.atomic_add(ticket_ptr + ticket, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-                total = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    total += tl.load(p_ptr + s * R * N + tile, mask=live, other=0.0, cache_modifier=".cg")
-                dt = h_ptr.dtype.element_ty
-                gate = tl.load(gate_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-                update = (total.to(dt).to(tl.float32) * gate[None, :]).to(dt).to(tl.float32)
-                h = (tl.load(h_ptr + tile, mask=live, other=0.0).to(tl.float32) + update).to(dt)
-                tl.store(h_ptr + tile, h, mask=live)
-                h = h.to(tl.float32)
-                tl.store(ss_ptr + pid_n * R + rows, tl.sum(h * h, axis=1), mask=rows < R)
-                tl.atomic_xchg(ticket_ptr + ticket, 0)  # ready for the next kernel that takes tickets
-
-    @triton.jit
-    def _normed_tile(x, ks, inv, scale_ptr, shift_ptr, NORM: tl.constexpr):
-        """A tile of rms_norm(h) * scale + shift from a tile of h and its rows' 1 / rms (the
-        residual_norm kernel's formula and bf16 rounding point), or x itself."""
-        if NORM:
-            y = x.to(tl.float32) * inv[:, None] * tl.load(scale_ptr + ks)[None, :] + tl.load(shift_ptr + ks)[None, :]
-            return y.to(x.dtype)
-        return x
+        out = p_ptr + pid_k * R * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=(rows[:, None] < R) & (cols[None, :] < N))
 
     @triton.jit
     def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
-                                ss_ptr, scale_ptr, shift_ptr, eps, NT: tl.constexpr, NORM: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PDL: tl.constexpr):
         """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
-        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs).
-        NORM: x is h, normalized tile by tile (AdaRMS) from the NT column tiles' sums of squares of
-        its rows [NT, R] that the split-K epilogue which last wrote h left."""
+        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs)."""
         _await_inputs(PDL)
-        inv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        if NORM:
-            ss = tl.load(ss_ptr + tl.arange(0, NT)[:, None] * R + rows[None, :], mask=rows[None, :] < R, other=0.0)
-            inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-            x = _normed_tile(x, ks, inv, scale_ptr, shift_ptr, NORM)
             w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
             w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
             acc_a += tl.dot(x, tl.trans(w_a))
@@ -138,14 +93,12 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _geglu_gemm(x_ptr, w_ptr, o_ptr, ss_ptr, scale_ptr, shift_ptr, eps, R, M, K, stride_x, stride_w,
-                    NT: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
-                                               ss_ptr, scale_ptr, shift_ptr, eps, NT, NORM,
                                                BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
@@ -214,10 +167,9 @@ if triton is not None:
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, ss_ptr, scale_ptr, shift_ptr, eps,
-                       R, K, H, stride_x, stride_w, k_batch_stride, q_batch_stride, HQ: tl.constexpr,
-                       HALF: tl.constexpr, NT: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
+                       k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
         # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
         pid = tl.program_id(0)
@@ -227,7 +179,6 @@ if triton is not None:
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
-                                                 ss_ptr, scale_ptr, shift_ptr, eps, NT, NORM,
                                                  BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
@@ -444,11 +395,14 @@ TUNING = {
     # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
     # ours wins, 44.8 vs 73.0 us.
     "prefix_sdpa_min_batch": 2,
+    # Expert GEMM families that run through cuBLAS (F.linear, then our RoPE / GeGLU kernel on its
+    # bf16 output: the same rounding points) from this batch size on. Run 52 (bench/expert_gemms.py,
+    # every subset of {qkv, o, gate_up, down} at every batch): qkv + gate_up through cuBLAS, denoise
+    # 10.88 -> 10.41 ms at batch 4 and 14.63 -> 14.03 at 8; at 2 a tie (8.68 vs 8.64), at 1 ours
+    # win (all four through cuBLAS: 6.81 -> 8.94); o and down through cuBLAS buy < 0.1 ms at 8.
+    "cublas_from_batch": {"qkv": 4, "gate_up": 4},
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
-    # The expert's AdaRMS norms inside its GEMMs (splitk_residual + NormedRows) instead of a norm
-    # kernel after each split-K GEMM.
-    "fused_norms": True,
 }
 
 
@@ -467,6 +421,12 @@ def pdl_enabled() -> bool:
 def _pdl_launch(pdl: bool) -> dict:
     """The launch option a PDL kernel needs (only passed when on: older Triton has no such option)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def through_cublas(family: str, batch: int) -> bool:
+    """Whether the expert's `family` GEMM ("qkv", "gate_up") runs through cuBLAS at this batch size."""
+    start = TUNING["cublas_from_batch"].get(family)
+    return start is not None and batch >= start
 
 
 def batched_config(rows: int) -> dict:
@@ -505,69 +465,20 @@ def _split_k(cfg: dict, block_r: int, n: int, k: int, rows: int, num_sms: int = 
     return splits
 
 
-def new_tickets(device) -> torch.Tensor:
-    """Zeroed ticket counters for the kernels that take them (splitk_residual). Each kernel resets
-    the ones it used, and kernels on one stream run one after another, so one buffer serves a
-    whole call; a call allocates its own (graphs replaying concurrently never share one)."""
-    return torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
-
-
-MAX_TICKETS = 4096
-
-
-def _splitk(x2d, w, h2d=None, gate=None, tickets=None):
+def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
     r, k = x2d.shape
     n = w.shape[0]
     cfg, block_r = _launch("splitk", r, n)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     splits = _split_k(cfg, block_r, n, k, r)
-    grid = (triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))
-    partials = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
-    residual = h2d is not None
-    ss = torch.empty(grid[0], r, dtype=torch.float32, device=x2d.device) if residual else partials
-    if residual and (grid[0] * grid[2] > tickets.numel() or grid[0] & (grid[0] - 1)):
-        raise ValueError(f"split-K residual: {grid[0]} x {grid[2]} tiles (at most {tickets.numel()} tickets, "
-                         "a power-of-two column tile count)")
+    out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled()
-    _splitk_gemm[grid](
-        x2d, w, partials, h2d if residual else partials, gate if residual else partials, ss,
-        tickets if residual else partials, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, RESIDUAL=residual, PDL=pdl,
+    _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
+        x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
-    return ss if residual else partials
-
-
-def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
-    return _splitk(x2d, w)
-
-
-def splitk_residual(x2d: torch.Tensor, w: torch.Tensor, h2d: torch.Tensor, gate: torch.Tensor,
-                    tickets: torch.Tensor) -> torch.Tensor:
-    """h2d += gate * (x2d @ w^T) in place, with the eager path's rounding, reduced in the split-K
-    GEMM itself (by each output tile's last split); returns the sums of squares of the new rows
-    per column tile [tiles, R] fp32, for a NormedRows input of the next GEMM."""
-    return _splitk(x2d, w, h2d, gate, tickets)
-
-
-@dataclass(frozen=True)
-class NormedRows:
-    """AdaRMS(h) = rms_norm(h) * scale + shift, never written out: the GEMM that takes it as its
-    input normalizes each tile of h as it loads it, from the per-column-tile sums of squares of
-    h's rows (`ss` [tiles, R] fp32) that splitk_residual left when it last updated h."""
-
-    h: torch.Tensor
-    ss: torch.Tensor
-    scale: torch.Tensor
-    shift: torch.Tensor
-    eps: float
-
-
-def _gemm_input(x) -> tuple[torch.Tensor, tuple, dict]:
-    """A GEMM's input rows, and the arguments of its normalizing prologue (off for a plain tensor)."""
-    if isinstance(x, NormedRows):
-        return x.h, (x.ss, x.scale, x.shift, x.eps), dict(NT=x.ss.shape[0], NORM=True)
-    return x, (x, x, x, 0.0), dict(NT=1, NORM=False)
+    return out
 
 
 def supported(dims) -> bool:
@@ -577,17 +488,15 @@ def supported(dims) -> bool:
             and dims.head_dim % 32 == 0)
 
 
-def geglu_linear(x, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16; x [R, K] or
-    NormedRows."""
-    x2d, norm, norm_flags = _gemm_input(x)
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16."""
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
     cfg, block_r = _launch("geglu", r, m)
     pdl = pdl_enabled()
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
-        x2d, w_gate_up, out, *norm, r, m, k, x2d.stride(0), w_gate_up.stride(0), **norm_flags,
+        x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
         BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
@@ -635,27 +544,25 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
                         token_major: bool = False) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
-    qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (a tensor or
-    NormedRows: the projection then runs in one GEMM here, RoPE and the writes in its epilogue).
-    cos/sin: [R, D / 2] fp32, R = B * tokens.
+    qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
+    projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis), or with
     `token_major` (projection outputs only) q [B, tokens, num_heads, D].
     """
-    x2d, norm, norm_flags = _gemm_input(qkv)
-    r = x2d.shape[0]
+    r = qkv.shape[0]
     d = k_out.shape[-1]
     b = r // tokens
-    q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=x2d.device)
+    q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
     pdl = pdl_enabled()
     if w_qkv is not None:
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
-        _qkv_rope_gemm[grid](x2d, w_qkv, cos, sin, q, k_out, v_out, *norm, r, x2d.shape[1], tokens, x2d.stride(0),
-                             w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2, **norm_flags,
+        _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
+                             w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
                              BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
                              num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
-    _qkv_rope[(r,)](x2d, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
+    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
                     q_batch_stride=q.stride(0), TOKEN_MAJOR=token_major, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return q.view(b, tokens, num_heads, d) if token_major else q

@@ -210,9 +210,8 @@ class FastPi05:
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):
-        """Expert attention bias [B, T] (fp32; T = cache length, its unused tail masked), the
-        RoPE tables of the action tokens ([B, 1, H, D] in the model dtype) and the call's ticket
-        counters (kernels.new_tickets; None on stock kernels)."""
+        """Expert attention bias [B, T] (fp32; T = cache length, its unused tail masked) and the
+        RoPE tables of the action tokens ([B, 1, H, D] in the model dtype)."""
         b, plen = pad.shape
         allowed = torch.zeros(b, cache_len, dtype=torch.bool, device=pad.device)
         allowed[:, :plen] = pad
@@ -220,8 +219,7 @@ class FastPi05:
         bias = torch.where(allowed, 0.0, MASK_VALUE).to(torch.float32)
         positions = pad.long().sum(1, keepdim=True) + torch.arange(horizon, device=pad.device)
         cos, sin = rope_cos_sin(positions, self.expert_dims.head_dim, self.expert_dims.rope_theta, self.dtype)
-        tickets = kernels.new_tickets(pad.device) if self.use_triton else None
-        return bias, cos, sin, tickets
+        return bias, cos, sin
 
     def velocity(self, x, step: int, sched: TimeSchedule, geometry, k_cache, v_cache, plen: int):
         m = self.model
@@ -237,7 +235,7 @@ class FastPi05:
 
     def _expert_torch(self, h, step, sched, geometry, k_cache, v_cache, plen):
         dims = self.expert_dims
-        bias, cos, sin, _ = geometry
+        bias, cos, sin = geometry
         b, horizon, _ = h.shape
         hq, d = dims.num_heads, dims.head_dim
         mask = bias.to(self.dtype)[:, None, None]
@@ -258,38 +256,33 @@ class FastPi05:
 
     def _expert_triton(self, h, step, sched, geometry, k_cache, v_cache, plen):
         dims = self.expert_dims
-        bias, cos, sin, tickets = geometry
+        bias, cos, sin = geometry
         b, horizon, width = h.shape
         half = dims.head_dim // 2
         # The kernels take the first half of the (duplicated) RoPE tables, as fp32 [B * H, D / 2].
         cos_half = cos[:, 0, :, :half].float().reshape(b * horizon, half)
         sin_half = sin[:, 0, :, :half].float().reshape(b * horizon, half)
         eps, layers = dims.rms_norm_eps, len(self.w.expert)
-        fused = kernels.TUNING["fused_norms"]
         h2d = h.reshape(b * horizon, width).contiguous()
-        x = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
+        y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
+        cublas_qkv, cublas_gate_up = kernels.through_cublas("qkv", b), kernels.through_cublas("gate_up", b)
         for i, lw in enumerate(self.w.expert):
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
-            q = kernels.qkv_rope_into_cache(x, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
-            attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
-                                         kernels.attention_config(b)).view(b * horizon, -1)
-            scale1p, shift = sched.scale1p[step, i, 1], sched.shift[step, i, 1]
-            if fused:
-                ss = kernels.splitk_residual(attn, lw.o, h2d, sched.gate[step, i, 0], tickets)
-                x = kernels.NormedRows(h2d, ss, scale1p, shift, eps)
+            if cublas_qkv:
+                q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
             else:
-                x = kernels.linear_residual_norm(attn, lw.o, h2d, sched.gate[step, i, 0], scale1p, shift, eps)
-            act = kernels.geglu_linear(x, lw.gate_up)
+                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
+            attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
+                                         kernels.attention_config(b))
+            y = kernels.linear_residual_norm(attn.view(b * horizon, -1), lw.o, h2d, sched.gate[step, i, 0],
+                                             sched.scale1p[step, i, 1], sched.shift[step, i, 1], eps)
+            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas_gate_up else kernels.geglu_linear(y, lw.gate_up)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
-                if fused:
-                    ss = kernels.splitk_residual(act, lw.down, h2d, sched.gate[step, i, 1], tickets)
-                    x = kernels.NormedRows(h2d, ss, scale1p, shift, eps)
-                    continue
-            else:  # the final norm feeds the action projection: written out
+            else:
                 scale1p, shift = sched.final_scale1p[step], sched.final_shift[step]
-            x = kernels.linear_residual_norm(act, lw.down, h2d, sched.gate[step, i, 1], scale1p, shift, eps)
-        return x.view(b, horizon, width)
+            y = kernels.linear_residual_norm(act, lw.down, h2d, sched.gate[step, i, 1], scale1p, shift, eps)
+        return y.view(b, horizon, width)
 
     def denoise(self, pad, noise, sched: TimeSchedule, k_cache, v_cache, rtc: "StaticRTC | None" = None):
         horizon = noise.shape[1]

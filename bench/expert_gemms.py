@@ -1,0 +1,128 @@
+"""The expert's GEMMs through cuBLAS or through our kernels, per GEMM family and batch size, and
+prompt buckets at every batch size, measured in one run (issue 14).
+
+    python3 bench/expert_gemms.py [--out DIR]
+
+Full-size Pi0.5 (random weights, bf16 + the fp32 set), bench_gpu.py's ALOHA-3 workload.
+1. The denoise graph (10 Euler steps) at batch 1, 2, 4, 8 with each subset of the four expert
+   GEMM families {qkv, o, gate_up, down} through cuBLAS (F.linear; then our RoPE / GeGLU /
+   residual-norm kernels on its bf16 output: the rounding points of our fused kernels) and the
+   rest through ours (split-K / fused epilogues); actions against the fp32 eager model.
+2. Full calls (prefix + denoise graphs, committed defaults) at each batch size with the prompt
+   padded to the checkpoint's 200 tokens and to buckets of 96 and 72 tokens (70 valid tokens),
+   against the fp32 eager model on the 200-token prompt.
+JSON under bench/results/ (expert_gemms.json) and --out.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+from bench_gpu import STEPS, bucketed, eager, log, maxdiff, time_cuda
+from kernel_ladder import BATCHES, bench_run, denoise_setup, time_denoise
+
+from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.graphs import FastRunner
+
+FAMILIES = ("qkv", "o", "gate_up", "down")
+BUCKETS = (96, 72)
+
+
+def _expert_mixed(self, h, step, sched, geometry, k_cache, v_cache, plen, cublas=frozenset()):
+    """FastPi05._expert_triton with the GEMM families in `cublas` through F.linear."""
+    dims = self.expert_dims
+    bias, cos, sin = geometry
+    b, horizon, width = h.shape
+    half = dims.head_dim // 2
+    cos_half = cos[:, 0, :, :half].float().reshape(b * horizon, half)
+    sin_half = sin[:, 0, :, :half].float().reshape(b * horizon, half)
+    eps, layers = dims.rms_norm_eps, len(self.w.expert)
+    h2d = h.reshape(b * horizon, width).contiguous()
+
+    def project(name, x, w, gate, scale1p, shift):  # h += gate * x @ w^T; AdaRMS(h)
+        if name in cublas:
+            return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps)
+        return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps)
+
+    y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
+    for i, lw in enumerate(self.w.expert):
+        tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
+        if "qkv" in cublas:
+            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
+        else:
+            q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
+        attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
+                                     kernels.attention_config(b)).view(b * horizon, -1)
+        y = project("o", attn, lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1], sched.shift[step, i, 1])
+        act = kernels.geglu(F.linear(y, lw.gate_up)) if "gate_up" in cublas else kernels.geglu_linear(y, lw.gate_up)
+        if i + 1 < layers:
+            scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
+        else:
+            scale1p, shift = sched.final_scale1p[step], sched.final_shift[step]
+        y = project("down", act, lw.down, sched.gate[step, i, 1], scale1p, shift)
+    return y.view(b, horizon, width)
+
+
+def main():
+    args, results, save = bench_run("expert_gemms")
+    started = time.time()
+    cfg, model, policy_config, fast, bufs, calls = denoise_setup()
+    model32 = copy.deepcopy(model).float()
+    refs32 = {b: eager(model32, *calls[b]) for b in BATCHES}
+    refs16 = {b: eager(model, *calls[b]) for b in BATCHES}
+    log(f"built ({time.time() - started:.0f}s)")
+
+    # 1. Each subset of the GEMM families through cuBLAS.
+    ours = fast._expert_triton
+    results["denoise_ms"], results["vs_fp32"], results["best"] = {}, {}, {}
+    for b in BATCHES:
+        rows = {}
+        for n in range(len(FAMILIES) + 1):
+            for subset in itertools.combinations(FAMILIES, n):
+                fast._expert_triton = types.MethodType(
+                    lambda self, *a, s=frozenset(subset): _expert_mixed(self, *a, cublas=s), fast)
+                t, out = time_denoise(fast, bufs[b])
+                rows["+".join(subset) or "none"] = t
+                results["vs_fp32"][f"b{b}:{'+'.join(subset) or 'none'}"] = maxdiff(out, refs32[b])
+        fast._expert_triton = ours
+        t, _ = time_denoise(fast, bufs[b])
+        rows["committed"] = t
+        results["denoise_ms"][b] = rows
+        best = min(rows, key=rows.get)
+        results["best"][b] = {"cublas": best, "ms": rows[best], "committed_ms": t}
+        log(f"b={b}: committed {t:.3f} ms, none {rows['none']:.3f}, all {rows['+'.join(FAMILIES)]:.3f}, "
+            f"best {best} {rows[best]:.3f}")
+        save()
+
+    # 2. Full calls: the checkpoint's prompt length against buckets.
+    runner = FastRunner(model, policy_config)
+    results["calls"] = {}
+    for b in BATCHES:
+        inputs, noise = calls[b]
+        row = {}
+        for length in (inputs.tokens.shape[1], *BUCKETS):
+            x = bucketed(inputs, length)
+            out, _ = runner.sample(x, noise, STEPS, None)
+            again, _ = runner.sample(x, noise, STEPS, None)
+            stages = [runner.sample(x, noise, STEPS, None)[1] for _ in range(10)]
+            row[length] = {"p50_ms": time_cuda(lambda x=x: runner.sample(x, noise, STEPS, None))["p50_ms"],
+                           "prefix_ms": sorted(s["prefix_ms"] for s in stages)[5],
+                           "denoise_ms": sorted(s["denoise_ms"] for s in stages)[5],
+                           "vs_fp32": maxdiff(out, refs32[b]), "vs_eager_bf16": maxdiff(out, refs16[b]),
+                           "repeat_bit_identical": bool(torch.equal(out, again))}
+        log(f"call b={b}:", json.dumps(row))
+        results["calls"][b] = row
+        save()
+    results["elapsed_s"] = time.time() - started
+    save()
+
+
+if __name__ == "__main__":
+    main()
