@@ -198,10 +198,11 @@ class Runtime:
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
                                    graph_batches=self.settings.graph_batches)
-        log.info("fast path: %d CUDA graphs captured for batch sizes %s in %.1f s, %.2f GiB of device memory "
-                 "(the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
-                 ",".join(map(str, sizes)), time.perf_counter() - started, self.graph_bytes / 2**30,
-                 (estimate.kv_and_buffers + estimate.activations) / 2**30)
+        lengths = sorted({*self.settings.prompt_buckets, self.config.max_token_len})
+        log.info("fast path: %d CUDA graphs captured for batch sizes %s and prompt lengths %s in %.1f s, %.2f GiB "
+                 "of device memory (the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
+                 ",".join(map(str, sizes)), ",".join(map(str, lengths)), time.perf_counter() - started,
+                 self.graph_bytes / 2**30, (estimate.kv_and_buffers + estimate.activations) / 2**30)
 
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None) -> "Launched":
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on

@@ -27,7 +27,7 @@ class Metrics:
 
     def watch_runtime(self, stats) -> None:
         """Gauges read from the runtime at each scrape: graphs captured (flat after ready) and calls that
-        ran without a graph because their shape was not captured (another step count, a prompt bucket)."""
+        ran without a graph because their shape was not captured (another step count)."""
         for key, text in (("graph_captures", "CUDA graphs captured (all at startup; flat once ready)"),
                           ("uncaptured_calls", "Calls served without a CUDA graph (shape not captured at startup)"),
                           ("padded_calls", "Batches run padded to the next captured size (--graph-batches ladder)"),

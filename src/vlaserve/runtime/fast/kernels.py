@@ -395,8 +395,9 @@ TUNING = {
     # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
     # ours wins, 44.8 vs 73.0 us.
     "prefix_sdpa_min_batch": 2,
-    # Expert GEMM families that run through cuBLAS (F.linear, then our RoPE / GeGLU kernel on its
-    # bf16 output: the same rounding points) from this batch size on. Run 52 (bench/expert_gemms.py,
+    # Expert GEMM families (EXPERT_GEMMS) that run through cuBLAS (F.linear, then our RoPE / GeGLU /
+    # residual-norm kernel on its bf16 output: the same rounding points) from this batch size on;
+    # the rest run our split-K / fused kernels. Run 52 (bench/expert_gemms.py,
     # every subset of {qkv, o, gate_up, down} at every batch): qkv + gate_up through cuBLAS, denoise
     # 10.88 -> 10.41 ms at batch 4 and 14.63 -> 14.03 at 8; at 2 a tie (8.68 vs 8.64), at 1 ours
     # win (all four through cuBLAS: 6.81 -> 8.94); o and down through cuBLAS buy < 0.1 ms at 8.
@@ -423,8 +424,13 @@ def _pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+EXPERT_GEMMS = ("qkv", "o", "gate_up", "down")
+
+
 def through_cublas(family: str, batch: int) -> bool:
-    """Whether the expert's `family` GEMM ("qkv", "gate_up") runs through cuBLAS at this batch size."""
+    """Whether the expert's `family` GEMM (one of EXPERT_GEMMS) runs through cuBLAS at this batch size."""
+    if family not in EXPERT_GEMMS:
+        raise KeyError(family)
     start = TUNING["cublas_from_batch"].get(family)
     return start is not None and batch >= start
 

@@ -265,23 +265,29 @@ class FastPi05:
         eps, layers = dims.rms_norm_eps, len(self.w.expert)
         h2d = h.reshape(b * horizon, width).contiguous()
         y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
-        cublas_qkv, cublas_gate_up = kernels.through_cublas("qkv", b), kernels.through_cublas("gate_up", b)
+        cublas = {family: kernels.through_cublas(family, b) for family in kernels.EXPERT_GEMMS}
+
+        def residual(family, x, w, gate, scale1p, shift):  # h += gate * x @ w^T, then AdaRMS(h)
+            if cublas[family]:
+                return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps)
+            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps)
+
         for i, lw in enumerate(self.w.expert):
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
-            if cublas_qkv:
+            if cublas["qkv"]:
                 q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
             else:
                 q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
             attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
                                          kernels.attention_config(b))
-            y = kernels.linear_residual_norm(attn.view(b * horizon, -1), lw.o, h2d, sched.gate[step, i, 0],
-                                             sched.scale1p[step, i, 1], sched.shift[step, i, 1], eps)
-            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas_gate_up else kernels.geglu_linear(y, lw.gate_up)
+            y = residual("o", attn.view(b * horizon, -1), lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1],
+                         sched.shift[step, i, 1])
+            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas["gate_up"] else kernels.geglu_linear(y, lw.gate_up)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
             else:
                 scale1p, shift = sched.final_scale1p[step], sched.final_shift[step]
-            y = kernels.linear_residual_norm(act, lw.down, h2d, sched.gate[step, i, 1], scale1p, shift, eps)
+            y = residual("down", act, lw.down, sched.gate[step, i, 1], scale1p, shift)
         return y.view(b, horizon, width)
 
     def denoise(self, pad, noise, sched: TimeSchedule, k_cache, v_cache, rtc: "StaticRTC | None" = None):
