@@ -109,3 +109,14 @@ def test_launch_tables_pick_the_entry_for_each_batch_size():
     assert kernels.batched_config(100) is t["batched"][65] is kernels.batched_config(199)
     assert kernels.batched_config(10) is t["batched"][65]
     assert kernels.batched_config(200) is t["batched"][200] and kernels.batched_config(1600) is t["batched"][400]
+
+
+def test_expert_gemm_families_through_cublas_follow_their_table():
+    # Run 52's choice: qkv and gate_up through cuBLAS from batch 4; o and down always on ours.
+    from vlaserve.runtime.fast import kernels
+
+    assert [kernels.through_cublas(f, 2) for f in kernels.EXPERT_GEMMS] == [False] * 4
+    assert [kernels.through_cublas(f, 8) for f in kernels.EXPERT_GEMMS] == [True, False, True, False]
+    assert kernels.through_cublas("qkv", 4) and not kernels.through_cublas("qkv", 3)
+    with pytest.raises(KeyError):
+        kernels.through_cublas("lm_head", 8)
