@@ -22,13 +22,12 @@ import time
 import torch
 
 from bench_gpu import STEPS, VALID_TOKENS, bucketed, eager, log, make_inputs, maxdiff, time_cuda
-from kernel_ladder import BATCHES, bench_run
+from kernel_ladder import BATCHES, CAMERA_NAMES, bench_run
 
 from vlaserve.checkpoint.weights import random_model
-from vlaserve.config import ModelConfig, PolicyConfig
+from vlaserve.config import ModelConfig, PolicyConfig, prompt_lengths
 from vlaserve.runtime.fast.graphs import FastRunner
 
-CAMERA_NAMES = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 BUCKET_SETS = ((), (96,), (48, 96), (64, 128))
 SEEDS = (11, 12, 13, 14)
 
@@ -52,7 +51,7 @@ def main():
         reserved = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         runner = FastRunner(model, policy_config)
-        runner.warmup(tuple(range(1, 9)), STEPS, buckets)
+        runner.warmup(tuple(range(1, 9)), STEPS, prompt_lengths(buckets, policy_config.max_token_len))
         torch.cuda.synchronize()
         row = {"warmup_s": time.perf_counter() - t0, "graphs": runner.captures,
                "reserved_gib": (torch.cuda.memory_reserved() - reserved) / 2**30, "calls": {}}

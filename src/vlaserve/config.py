@@ -215,6 +215,11 @@ def graph_batch_sizes(mode: str, limit: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(limit.bit_length()) if 1 << i < limit} | {limit}))
 
 
+def prompt_lengths(buckets: tuple[int, ...], max_token_len: int) -> tuple[int, ...]:
+    """Every length prompts are padded to, ascending: the prompt buckets and the checkpoint's own."""
+    return tuple(sorted({*buckets, max_token_len}))
+
+
 def _option(default, metavar: str, help: str):
     """A RuntimeConfig field that is also a `vlaserve serve` option and a --config key."""
     return field(default=default, metadata={"metavar": metavar, "help": help})

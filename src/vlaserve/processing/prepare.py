@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from ..config import PolicyConfig
+from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
 from ..model.pi05 import RTCGuidance, rtc_prefix_weights
 from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
@@ -42,7 +42,7 @@ class Preprocessor:
         # Pad prompts only to the smallest bucket that holds the batch's longest prompt (buckets
         # resolved by RuntimeConfig.resolved_prompt_buckets). Padding is masked, so actions change
         # only by float reassociation.
-        self.prompt_buckets = tuple(sorted({*prompt_buckets, config.max_token_len})) if prompt_buckets else ()
+        self.prompt_buckets = prompt_lengths(prompt_buckets, config.max_token_len) if prompt_buckets else ()
 
     @property
     def noise_shape(self) -> tuple[int, int]:

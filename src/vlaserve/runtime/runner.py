@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..config import PolicyConfig, RuntimeConfig
+from ..config import PolicyConfig, RuntimeConfig, prompt_lengths
 from ..model.pi05 import Pi05Model, PrefixContext, RTCGuidance
 from ..types import ModelInputs
 from .device import synchronize
@@ -192,13 +192,13 @@ class Runtime:
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         sizes = self.settings.graph_sizes
-        fast.warmup(sizes, self.config.num_inference_steps, self.settings.prompt_buckets)
+        lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
+        fast.warmup(sizes, self.config.num_inference_steps, lengths)
         torch.cuda.empty_cache()
         self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
                                    graph_batches=self.settings.graph_batches)
-        lengths = sorted({*self.settings.prompt_buckets, self.config.max_token_len})
         log.info("fast path: %d CUDA graphs captured for batch sizes %s and prompt lengths %s in %.1f s, %.2f GiB "
                  "of device memory (the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
                  ",".join(map(str, sizes)), ",".join(map(str, lengths)), time.perf_counter() - started,

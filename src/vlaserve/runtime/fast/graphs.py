@@ -209,12 +209,12 @@ class FastRunner:
         return PrefixEntry(buf["k_cache"][:, i, :plen].clone(), buf["v_cache"][:, i, :plen].clone(),
                            buf["pad"][i].clone())
 
-    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] = ()) -> None:
+    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] | None = None) -> None:
         """Compiles the kernels and captures the graphs of every batch size in `batch_sizes`, every
-        prompt length in `token_lens` (the prompt buckets; the checkpoint's length always), every
+        prompt length in `token_lens` (config.prompt_lengths; default the checkpoint's), every
         camera layout (how many leading slots are present), with and without RTC; then freezes."""
         cameras, horizon, width = len(self.config.cameras), self.config.action_horizon, self.config.model.max_action_dim
-        lengths = sorted({*token_lens, self.config.max_token_len}, reverse=True)
+        lengths = sorted(token_lens or (self.config.max_token_len,), reverse=True)
         # Largest first, as nano-vllm does: the graphs share one pool, and a smaller batch's tensors
         # then fit in blocks a larger one freed (ascending, each size grew the pool anew: run 32).
         for b in sorted(batch_sizes, reverse=True):
