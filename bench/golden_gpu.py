@@ -64,7 +64,8 @@ def prompt_buckets_captured(golden: Path) -> dict:
 
     case = GoldenCase.load(case_dirs(golden)[0])
     observations, noise = case.observations(), list(case.tensors["input.noise"])
-    plain = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False)
+    plain = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False,
+                                   prompt_buckets="none")
     longest = max(int(plain.prepare(o).token_mask.sum()) for o in observations)
     bucket = -(-(longest + 1) // 8) * 8
     bucketed = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False,

@@ -297,18 +297,20 @@ def test_prompt_buckets_shrink_the_prefix_and_keep_the_actions(golden):
     assert plain.preprocessor.collate([plain.request(obs)])[0].tokens.shape[1] == 200
 
 
-@pytest.mark.parametrize("given,max_len,device,expected", [
-    ("auto", 200, "cuda", (96,)),  # half of LeRobot's 200-token default, a multiple of 16
-    ("auto", 48, "cuda", (16,)),  # Pi0's 48
-    ("auto", 20, "cuda", ()),  # half would be under 16 tokens: no bucket
-    ("auto", 200, "cpu", ()),  # a CPU keeps the reference's shapes
-    ("none", 200, "cuda", ()),
-    ("", 200, "cuda", ()),
-    ("96,48", 200, "cpu", (48, 96)),  # given lengths hold on every device
-    ((64,), 200, "cuda", (64,)),
+@pytest.mark.parametrize("given,max_len,device,fast_path,expected", [
+    ("auto", 200, "cuda", True, (96,)),  # half of LeRobot's 200-token default, a multiple of 16
+    ("auto", 48, "cuda", True, (16,)),  # Pi0's 48
+    ("auto", 20, "cuda", True, ()),  # half would be under 16 tokens: no bucket
+    ("auto", 200, "cpu", True, ()),  # a CPU keeps the reference's shapes
+    ("auto", 200, "cuda", False, ()),  # and so does the eager model on CUDA
+    ("none", 200, "cuda", True, ()),
+    ("", 200, "cuda", True, ()),
+    ("96,48", 200, "cpu", True, (48, 96)),  # given lengths hold on every device
+    ((64,), 200, "cuda", False, (64,)),
 ])
-def test_prompt_buckets_option_resolves_per_device(given, max_len, device, expected):
-    assert RuntimeConfig(prompt_buckets=given).resolved_prompt_buckets(max_len, device) == expected
+def test_prompt_buckets_option_resolves_per_device(given, max_len, device, fast_path, expected):
+    settings = RuntimeConfig(prompt_buckets=given, fast_path=fast_path)
+    assert settings.resolved_prompt_buckets(max_len, device) == expected
 
 
 def test_prompt_buckets_option_is_validated():

@@ -242,7 +242,7 @@ class RuntimeConfig:
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
     prompt_buckets: tuple[int, ...] | str = _option(
         "auto", "L1,L2", "pad prompts only to the smallest of these token lengths that fits, as 48,96; auto: on "
-                         "CUDA half the checkpoint's prompt length, on a CPU none; none: always the checkpoint's "
+                         "CUDA's fast path half the checkpoint's prompt length, else none; none: always the checkpoint's "
                          "length (speed; docs/gpu.md)")
     tokenizer: str | None = _option(None, "PATH", "tokenizer directory or file, when the checkpoint has none")
     graph_batches: str = _option("all", "SIZES", "CUDA graphs captured at startup: all (every batch size up to "
@@ -286,16 +286,17 @@ class RuntimeConfig:
         return PROFILES[self.memory_profile]
 
     def resolved_prompt_buckets(self, max_token_len: int, device_type: str) -> tuple[int, ...]:
-        """The prompt buckets as given, or for "auto": on CUDA one bucket at half the checkpoint's
-        prompt length (rounded down to a multiple of 16), on a CPU none. The padding a bucket drops is
+        """The prompt buckets as given, or for "auto": where the fast path serves (CUDA, fast_path)
+        one bucket at half the checkpoint's prompt length (rounded down to a multiple of 16), else none. The padding a bucket drops is
         masked, so actions change by float reassociation only (run 55: max|Δ| vs fp32 as without); on
         CUDA its graphs are captured at warm-up, and a call whose prompt fits runs a shorter prefix
         (ALOHA-3, 70 of 200 tokens: batch 1 15.7 -> 14.8 ms, batch 8 79.8 -> 72.7, docs/benchmarks.md).
-        A CPU keeps the reference's shapes, where the golden cases compare every intermediate tensor."""
+        The eager model (a CPU, or fast_path=False) keeps the reference's shapes, where the golden
+        cases compare every intermediate tensor."""
         if self.prompt_buckets != "auto":
             return self.prompt_buckets
         half = max_token_len // 2 // 16 * 16
-        return (half,) if device_type == "cuda" and 16 <= half < max_token_len else ()
+        return (half,) if device_type == "cuda" and self.fast_path and 16 <= half < max_token_len else ()
 
     @property
     def batch_limit(self) -> int:
