@@ -59,6 +59,13 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
+    def gelu_tanh(g):
+        """GELU, tanh form, in fp32 (tanh(z) as 2 / (1 + exp(-2z)) - 1)."""
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        return 0.5 * g * (1.0 + t)
+
+    @triton.jit
     def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -103,9 +110,7 @@ if triton is not None:
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh
-        act = (0.5 * g * (1.0 + t)).to(o_ptr.dtype.element_ty).to(tl.float32) * u
+        act = gelu_tanh(g).to(o_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(o_ptr + rows[:, None] * M + cols[None, :], act.to(o_ptr.dtype.element_ty), mask=rows[:, None] < R)
 
     @triton.jit
@@ -161,9 +166,7 @@ if triton is not None:
         mask = cols < M
         g = tl.load(x_ptr + row * 2 * M + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        act = (0.5 * g * (1.0 + t)).to(y_ptr.dtype.element_ty).to(tl.float32) * u
+        act = gelu_tanh(g).to(y_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -395,6 +398,10 @@ TUNING = {
     # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
     # ours wins, 44.8 vs 73.0 us.
     "prefix_sdpa_min_batch": 2,
+    # The persistent TMA GEMM with the activation in its epilogue (gemm.py, sm90+) for the prefix's
+    # gate_up + GeGLU and SigLIP's fc1 + GELU: its launch config per activation, None = cuBLAS and
+    # the separate activation pass.
+    "prefix_gemm": {"geglu": None, "gelu": None},
     # Expert GEMM families (EXPERT_GEMMS) that run through cuBLAS (F.linear, then our RoPE / GeGLU /
     # residual-norm kernel on its bf16 output: the same rounding points) from this batch size on;
     # the rest run our split-K / fused kernels. Run 52 (bench/expert_gemms.py,
