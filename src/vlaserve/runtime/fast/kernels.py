@@ -398,10 +398,6 @@ TUNING = {
     # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
     # ours wins, 44.8 vs 73.0 us.
     "prefix_sdpa_min_batch": 2,
-    # The persistent TMA GEMM with the activation in its epilogue (gemm.py, sm90+) for the prefix's
-    # gate_up + GeGLU and SigLIP's fc1 + GELU: its launch config per activation, None = cuBLAS and
-    # the separate activation pass.
-    "prefix_gemm": {"geglu": None, "gelu": None},
     # Expert GEMM families (EXPERT_GEMMS) that run through cuBLAS (F.linear, then our RoPE / GeGLU /
     # residual-norm kernel on its bf16 output: the same rounding points) from this batch size on;
     # the rest run our split-K / fused kernels. Run 52 (bench/expert_gemms.py,

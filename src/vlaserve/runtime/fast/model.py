@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
-from . import gemm, kernels
+from . import kernels
 from .weights import FusedWeights
 
 
@@ -117,17 +117,12 @@ class FastPi05:
         norms = [lyr.layer_norm1 for lyr in vis.layers[1:]] + [vis.post_layernorm]
         ln = vis.layers[0].layer_norm1
         y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps)
-        fused_gelu = gemm.fused_config("gelu")
         for i, (lyr, (qkv_w, qkv_b), next_ln) in enumerate(zip(vis.layers, self.w.vision_qkv, norms)):
             self._enter("vision", i)
             attn = self._vision_attention(F.linear(y, qkv_w, qkv_b), n, p)
             ln = lyr.layer_norm2
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, delta=lyr.self_attn.out_proj(attn))
-            fc1 = lyr.mlp.fc1
-            if fused_gelu is None:
-                mlp = lyr.mlp.fc2(F.gelu(fc1(y), approximate="tanh"))
-            else:
-                mlp = lyr.mlp.fc2(gemm.linear_act(y, fc1.weight, fc1.bias, "gelu", fused_gelu))
+            mlp = lyr.mlp.fc2(F.gelu(lyr.mlp.fc1(y), approximate="tanh"))
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
@@ -189,7 +184,6 @@ class FastPi05:
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
         sdpa = b >= kernels.TUNING["prefix_sdpa_min_batch"]
-        fused_geglu = gemm.fused_config("geglu")
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
@@ -199,11 +193,7 @@ class FastPi05:
                 break  # the last layer's attention output and MLP feed nothing we use
             attn = self._prefix_attention(q, *kv, key_bias, b, plen)
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
-            if fused_geglu is None:
-                act = kernels.geglu(F.linear(y, lw.gate_up))
-            else:
-                act = gemm.linear_act(y, lw.gate_up, None, "geglu", fused_geglu)
-            down = F.linear(act, lw.down)
+            down = F.linear(kernels.geglu(F.linear(y, lw.gate_up)), lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 
     def _prefix_attention(self, q, k, v, key_bias, b: int, plen: int) -> torch.Tensor:
