@@ -143,6 +143,14 @@ def eager(model, inputs, noise):
         return model.sample(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, noise, STEPS)
 
 
+def served_call(engine, inputs, noise):
+    """One call as the server makes it: Runtime.launch reads the camera slots in use from the host
+    batch and passes them on, so nothing in the timed window waits on the device (FastRunner.sample
+    without them reads the masks back: a device round trip before the graphs are launched). Every
+    camera of the bench's inputs is present."""
+    return engine.sample(inputs, noise, STEPS, None, vision_slots=CAMERAS)
+
+
 def maxdiff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -442,8 +450,10 @@ def main():
             out, stages = engine.sample(inputs, noise, STEPS, None)
             accuracy[b][f"{name}_vs_eager_bf16"] = maxdiff(out, ref16)
             accuracy[b][f"{name}_vs_fp32"] = maxdiff(out, ref32)
-            timings[b][name] = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None))
-            stage_runs = [engine.sample(inputs, noise, STEPS, None)[1] for _ in range(10)]
+            timings[b][name] = time_cuda(lambda: served_call(engine, inputs, noise))
+            timings[b][name]["p50_ms_slots_read_on_device"] = time_cuda(
+                lambda: engine.sample(inputs, noise, STEPS, None))["p50_ms"]
+            stage_runs = [served_call(engine, inputs, noise)[1] for _ in range(10)]
             timings[b][name]["prefix_p50_ms"] = statistics.median(s["prefix_ms"] for s in stage_runs)
             timings[b][name]["denoise_p50_ms"] = statistics.median(s["denoise_ms"] for s in stage_runs)
         # What the server runs by default on CUDA: the same engine, the prompt in its "auto" bucket.
@@ -451,8 +461,10 @@ def main():
         out, _ = engine.sample(short, noise, STEPS, None)
         accuracy[b]["fast_default_bucket_vs_eager_bf16"] = maxdiff(out, ref16)
         accuracy[b]["fast_default_bucket_vs_fp32"] = maxdiff(out, ref32)
-        timings[b]["fast_default_bucket"] = time_cuda(lambda: engine.sample(short, noise, STEPS, None))
-        stage_runs = [engine.sample(short, noise, STEPS, None)[1] for _ in range(10)]
+        timings[b]["fast_default_bucket"] = time_cuda(lambda: served_call(engine, short, noise))
+        timings[b]["fast_default_bucket"]["p50_ms_slots_read_on_device"] = time_cuda(
+            lambda: engine.sample(short, noise, STEPS, None))["p50_ms"]
+        stage_runs = [served_call(engine, short, noise)[1] for _ in range(10)]
         timings[b]["fast_default_bucket"]["prefix_p50_ms"] = statistics.median(s["prefix_ms"] for s in stage_runs)
         timings[b]["fast_default_bucket"]["denoise_p50_ms"] = statistics.median(s["denoise_ms"] for s in stage_runs)
         # Bit-reproducibility of the default path.
@@ -498,7 +510,7 @@ def main():
     plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True)
     for b, (inp, noi) in ((1, (inputs, make_inputs(1, 10)[1])), (8, (inputs8, noise8))):
         plain.sample(inp, noi, STEPS, None)
-        results[f"no_pdl_b{b}_p50_ms"] = time_cuda(lambda: plain.sample(inp, noi, STEPS, None))["p50_ms"]
+        results[f"no_pdl_b{b}_p50_ms"] = time_cuda(lambda: served_call(plain, inp, noi))["p50_ms"]
         results[f"profile_b{b}_no_pdl"] = profile_kernels(plain, inp, noi)
     kernels.TUNING["pdl"] = None
     del plain
