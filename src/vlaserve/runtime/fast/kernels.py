@@ -294,19 +294,21 @@ if triton is not None:
 
     @triton.jit
     def _mqa_merge(o_ptr, lse_ptr, out_ptr, NQ, H, HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
-                   PDL: tl.constexpr):
-        # One program per (batch, query); writes [B, H tokens, HQ * D] token-major for o_proj.
-        pid = tl.program_id(0)
+                   ROWS: tl.constexpr, PDL: tl.constexpr):
+        # ROWS queries of one item per program; writes [B, H tokens, HQ * D] token-major for o_proj.
+        b, qs = tl.program_id(1), tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         _await_inputs(PDL)
-        b, q = pid // NQ, pid % NQ
+        live = qs < NQ
         d = tl.arange(0, D)
         splits = tl.arange(0, SPLITS)
-        lse = tl.load(lse_ptr + (b * SPLITS + splits) * NQ + q)
-        w = tl.exp(lse - tl.max(lse, axis=0))
-        parts = tl.load(o_ptr + ((b * SPLITS + splits[:, None]) * NQ + q) * D + d[None, :])
-        merged = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-        head, tok = q // H, q % H
-        tl.store(out_ptr + (b * H + tok) * HQ * D + head * D + d, merged.to(out_ptr.dtype.element_ty))
+        rows = (b * SPLITS + splits[None, :]) * NQ + qs[:, None]  # [ROWS, SPLITS]
+        lse = tl.load(lse_ptr + rows, mask=live[:, None], other=0.0)
+        w = tl.exp(lse - tl.max(lse, axis=1)[:, None])
+        parts = tl.load(o_ptr + rows[:, :, None] * D + d[None, None, :], mask=live[:, None, None], other=0.0)
+        merged = tl.sum(parts * w[:, :, None], axis=1) / tl.sum(w, axis=1)[:, None]
+        head, tok = qs // H, qs % H
+        out = out_ptr + ((b * H + tok) * HQ * D + head * D)[:, None] + d[None, :]
+        tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 if triton is not None:
@@ -374,6 +376,10 @@ TUNING = {
         4: {"block_m": 64, "splits": 4, "block_t": 64, "warps": 4, "stages": 2},
         8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
     },
+    # The attention's log-sum-exp merge of the key splits: queries per program. Run 63
+    # (bench/attention_merge.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
+    # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
+    "merge": {"rows": 2, "warps": 4},
     # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU).
     "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 4, "stages": 2},
     # action_step up to max_rows rows (batch x horizon): at batch 1 it beats the eager ops (fp32
@@ -605,8 +611,10 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
                      D=d, DIRECT=False, PDL=pdl, **launch)
-    _mqa_merge[(b * nq,)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d, PDL=pdl, num_warps=4,
-                          **_pdl_launch(pdl))
+    merge = TUNING["merge"]
+    _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
+                                                     ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],
+                                                     **_pdl_launch(pdl))
     return out
 
 
