@@ -1,11 +1,11 @@
-"""Rows per program for the expert's small row-wise kernels: the attention's log-sum-exp merge and the
-residual + AdaRMS norms (issue 14).
+"""Rows per program for the expert's small row-wise kernels: the attention's log-sum-exp merge (issue 14;
+run 64 also swept the residual + AdaRMS norm kernel, commit of that run: one row per program won).
 
     python3 bench/rows_per_program.py [--out DIR]
 
 Full-size Pi0.5 (random weights, bf16 + the fp32 set), bench_gpu.py's ALOHA-3 workload. The denoise
-graph (10 Euler steps) at batch 1, 2, 4, 8 with kernels.TUNING["merge"] and then TUNING["norm"] at
-each candidate (rows per program, warps; the other family at its committed config). Candidates are
+graph (10 Euler steps) at batch 1, 2, 4, 8 with kernels.TUNING["merge"] at each candidate (queries
+per program, warps). Candidates are
 timed in turn, twice over (the faster of the two counts: graphs of the same kernels differ by up to
 ~0.05 ms at batch 1); each one's actions against the committed config's (the same sums per row, in
 another order at most). JSON under bench/results/ (rows_per_program.json) and --out.
@@ -23,7 +23,6 @@ from vlaserve.runtime.fast import kernels
 
 CANDIDATES = {  # (rows, warps); warps None: the kernel's own choice
     "merge": [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)],
-    "norm": [(1, None), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8)],
 }
 
 

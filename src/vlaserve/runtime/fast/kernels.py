@@ -116,30 +116,28 @@ if triton is not None:
     @triton.jit
     def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, R, eps,
                        SPLITS: tl.constexpr, N: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-        # ROWS rows per program: h += gate * delta (delta = sum of SPLITS partials, or one bf16 row),
+                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr):
+        # One row per program: h += gate * delta (delta = sum of SPLITS partials, or one bf16 row),
         # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift).
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row = tl.program_id(0)
         cols = tl.arange(0, N)
-        live = rows[:, None] < R
-        at = rows[:, None] * N + cols[None, :]
         _await_inputs(PDL)
-        h = tl.load(h_ptr + at, mask=live, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + row * N + cols).to(tl.float32)
         if HAS_DELTA:
-            acc = tl.zeros((ROWS, N), dtype=tl.float32)
+            acc = tl.zeros((N,), dtype=tl.float32)
             for s in range(SPLITS):
-                acc += tl.load(delta_ptr + s * R * N + at, mask=live, other=0.0).to(tl.float32)
+                acc += tl.load(delta_ptr + s * R * N + row * N + cols).to(tl.float32)
             update = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
             if HAS_GATE:
-                gate = tl.load(gate_ptr + cols).to(tl.float32)[None, :]
+                gate = tl.load(gate_ptr + cols).to(tl.float32)
                 update = (update * gate).to(h_ptr.dtype.element_ty).to(tl.float32)
             h = (h + update).to(h_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(h_ptr + at, h.to(h_ptr.dtype.element_ty), mask=live)
-        var = tl.sum(h * h, axis=1) / N
-        y = h * (1.0 / tl.sqrt(var + eps))[:, None] * tl.load(scale_ptr + cols)[None, :]
+            tl.store(h_ptr + row * N + cols, h.to(h_ptr.dtype.element_ty))
+        var = tl.sum(h * h, axis=0) / N
+        y = h * (1.0 / tl.sqrt(var + eps)) * tl.load(scale_ptr + cols)
         if HAS_SHIFT:
-            y = y + tl.load(shift_ptr + cols)[None, :]
-        tl.store(y_ptr + at, y.to(h_ptr.dtype.element_ty), mask=live)
+            y = y + tl.load(shift_ptr + cols)
+        tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty))
 
     @triton.jit
     def _residual_layer_norm(delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, N, eps,
@@ -378,9 +376,6 @@ TUNING = {
         4: {"block_m": 64, "splits": 4, "block_t": 64, "warps": 4, "stages": 2},
         8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
     },
-    # The row norms (kernels.residual_norm): rows per program; warps None = 4 for rows of up to
-    # 1024, else 8.
-    "norm": {"rows": 1, "warps": None},
     # The attention's log-sum-exp merge of the key splits: queries per program. Run 63
     # (bench/attention_merge.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
     # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
@@ -530,12 +525,11 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
     y = torch.empty_like(h2d)
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
     pdl = pdl_enabled()
-    rows = TUNING["norm"]["rows"]
-    _residual_norm[(triton.cdiv(h2d.shape[0], rows),)](
-        h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale, scale if shift is None else shift,
-        y, h2d.shape[0], eps, SPLITS=splits, N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
-        HAS_SHIFT=shift is not None, ROWS=rows, PDL=pdl, num_warps=TUNING["norm"]["warps"] or
-        (4 if h2d.shape[1] <= 1024 else 8), **_pdl_launch(pdl))
+    _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
+                                    scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
+                                    N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
+                                    HAS_SHIFT=shift is not None, PDL=pdl,
+                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, **_pdl_launch(pdl))
     return y
 
 
