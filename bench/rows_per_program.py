@@ -1,12 +1,12 @@
 """Rows per program for the expert's small row-wise kernels: the attention's log-sum-exp merge (issue 14;
-run 64 also swept the residual + AdaRMS norm kernel, commit of that run: one row per program won).
+run 64 also swept the residual + AdaRMS norm kernel, in commit 245f2c0: one row per program won).
 
     python3 bench/rows_per_program.py [--out DIR]
 
 Full-size Pi0.5 (random weights, bf16 + the fp32 set), bench_gpu.py's ALOHA-3 workload. The denoise
-graph (10 Euler steps) at batch 1, 2, 4, 8 with kernels.TUNING["merge"] at each candidate (queries
-per program, warps). Candidates are
-timed in turn, twice over (the faster of the two counts: graphs of the same kernels differ by up to
+graph (10 Euler steps) at batch 1, 2, 4, 8 with each family's kernels.TUNING entry at each candidate
+(rows per program, warps; the other families at their committed configs). Candidates are timed in
+turn, twice over (the faster of the two counts: graphs of the same kernels differ by up to
 ~0.05 ms at batch 1); each one's actions against the committed config's (the same sums per row, in
 another order at most). JSON under bench/results/ (rows_per_program.json) and --out.
 """
@@ -21,7 +21,7 @@ from kernel_ladder import BATCHES, bench_run, denoise_setup, time_denoise
 
 from vlaserve.runtime.fast import kernels
 
-CANDIDATES = {  # (rows, warps); warps None: the kernel's own choice
+CANDIDATES = {  # family -> (rows, warps)
     "merge": [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)],
 }
 

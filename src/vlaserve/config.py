@@ -242,8 +242,8 @@ class RuntimeConfig:
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
     prompt_buckets: tuple[int, ...] | str = _option(
         "auto", "L1,L2", "pad prompts only to the smallest of these token lengths that fits, as 48,96; auto: on "
-                         "CUDA's fast path half the checkpoint's prompt length, else none; none: always the checkpoint's "
-                         "length (speed; docs/gpu.md)")
+                         "CUDA's fast path half the checkpoint's prompt length, else none; none: always the "
+                         "checkpoint's length (speed; docs/gpu.md)")
     tokenizer: str | None = _option(None, "PATH", "tokenizer directory or file, when the checkpoint has none")
     graph_batches: str = _option("all", "SIZES", "CUDA graphs captured at startup: all (every batch size up to "
                                                  "the limit) or ladder (1, 2, 4, 8: other sizes run padded to the "
@@ -287,8 +287,8 @@ class RuntimeConfig:
 
     def resolved_prompt_buckets(self, max_token_len: int, device_type: str) -> tuple[int, ...]:
         """The prompt buckets as given, or for "auto": where the fast path serves (CUDA, fast_path)
-        one bucket at half the checkpoint's prompt length (rounded down to a multiple of 16), else none. The padding a bucket drops is
-        masked, so actions change by float reassociation only (run 55: max|Δ| vs fp32 as without); on
+        one bucket at half the checkpoint's prompt length (rounded down to a multiple of 16), else
+        none. The padding a bucket drops is masked, so actions change by float reassociation only (run 55: max|Δ| vs fp32 as without); on
         CUDA its graphs are captured at warm-up, and a call whose prompt fits runs a shorter prefix
         (ALOHA-3, 70 of 200 tokens: batch 1 15.7 -> 14.8 ms, batch 8 79.8 -> 72.7, docs/benchmarks.md).
         The eager model (a CPU, or fast_path=False) keeps the reference's shapes, where the golden

@@ -377,7 +377,7 @@ TUNING = {
         8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
     },
     # The attention's log-sum-exp merge of the key splits: queries per program. Run 63
-    # (bench/attention_merge.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
+    # (bench/rows_per_program.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
     # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
     "merge": {"rows": 2, "warps": 4},
     # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU).
