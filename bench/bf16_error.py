@@ -18,14 +18,10 @@ import copy
 import statistics
 import time
 
-import torch
-
 from bench_gpu import (STEPS, build_lerobot, bucketed, default_bucket, eager, lerobot_sample, log, make_inputs,
                        per_item_max)
-from kernel_ladder import CAMERA_NAMES, bench_run
+from kernel_ladder import bench_run, full_size_models
 
-from vlaserve.checkpoint.weights import random_model
-from vlaserve.config import ModelConfig, PolicyConfig
 from vlaserve.runtime.fast import kernels
 from vlaserve.runtime.fast.graphs import FastRunner
 
@@ -36,10 +32,7 @@ MERGE_ROWS = (1, 2)
 def main():
     args, results, save = bench_run("bf16_error")
     started = time.time()
-    cfg = ModelConfig.full_size()
-    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
-    model32 = copy.deepcopy(model).float()
-    policy_config = PolicyConfig(cfg, CAMERA_NAMES, 14, 14)
+    cfg, model, model32, policy_config = full_size_models()
     lerobot = build_lerobot(model, "bfloat16")
     bucket = default_bucket()
     committed = copy.deepcopy(kernels.TUNING["merge"])

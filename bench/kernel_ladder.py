@@ -232,6 +232,14 @@ def bench_run(name: str):
     return args, results, save
 
 
+def full_size_models():
+    """Full-size Pi0.5 with random weights (bf16 + the fp32 set), the same weights upcast to fp32 (the
+    accuracy reference), and the ALOHA-3 policy config."""
+    cfg = ModelConfig.full_size()
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
+    return cfg, model, copy.deepcopy(model).float(), PolicyConfig(cfg, CAMERA_NAMES, 14, 14)
+
+
 def denoise_setup():
     """Full-size Pi0.5 (random weights, bf16 + the fp32 set), an ungraphed FastRunner, and per batch
     size its static buffers after one call (prefix K/V and pad filled) and that call's inputs."""

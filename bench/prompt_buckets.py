@@ -14,7 +14,6 @@ and mean: one seed's max is a noisy draw). JSON under bench/results/ (prompt_buc
 
 from __future__ import annotations
 
-import copy
 import json
 import statistics
 import time
@@ -22,10 +21,9 @@ import time
 import torch
 
 from bench_gpu import STEPS, VALID_TOKENS, bucketed, eager, log, make_inputs, maxdiff, time_cuda
-from kernel_ladder import BATCHES, CAMERA_NAMES, bench_run
+from kernel_ladder import BATCHES, bench_run, full_size_models
 
-from vlaserve.checkpoint.weights import random_model
-from vlaserve.config import ModelConfig, PolicyConfig, prompt_lengths
+from vlaserve.config import prompt_lengths
 from vlaserve.runtime.fast.graphs import FastRunner
 
 BUCKET_SETS = ((), (96,), (48, 96), (64, 128))
@@ -35,10 +33,7 @@ SEEDS = (11, 12, 13, 14)
 def main():
     args, results, save = bench_run("prompt_buckets")
     started = time.time()
-    cfg = ModelConfig.full_size()
-    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
-    model32 = copy.deepcopy(model).float()
-    policy_config = PolicyConfig(cfg, CAMERA_NAMES, 14, 14)
+    cfg, model, model32, policy_config = full_size_models()
     calls = {(b, s): make_inputs(b, cfg.vlm.vocab_size, seed=s) for b in BATCHES for s in SEEDS}
     refs = {key: eager(model32, *call) for key, call in calls.items()}
     del model32
