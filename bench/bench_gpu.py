@@ -535,7 +535,8 @@ def main():
                 ours_fast, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
                 ours_bucket, _ = variants["fast_triton_graphs"].sample(bucketed(inputs, bucket), noise, STEPS, None)
                 entry.update({"ours_default_bucket_vs_fp32": maxdiff(ours_bucket, ours32),
-                              "ours_default_bucket_vs_fp32_mean_item_max": per_item_max(ours_bucket, ours32),"lerobot_bf16_vs_fp32": maxdiff(o16, o32), "ours_fp32_vs_lerobot_fp32": maxdiff(ours32, o32),
+                              "ours_default_bucket_vs_fp32_mean_item_max": per_item_max(ours_bucket, ours32),
+                              "lerobot_bf16_vs_fp32": maxdiff(o16, o32), "ours_fp32_vs_lerobot_fp32": maxdiff(ours32, o32),
                               "ours_fast_vs_lerobot_bf16": maxdiff(ours_fast, o16),
                               "ours_fast_vs_fp32": maxdiff(ours_fast, ours32),
                               # per-sample max|Δ|, averaged: one sample's max is a noisy statistic

@@ -36,8 +36,7 @@ def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
     layers, head_dim = len(policy.model.vlm.layers), policy.model.vlm.dims.head_dim
     k = torch.zeros(layers, b, cache_len, head_dim)
     v = torch.zeros_like(k)
-    present = inputs.image_masks.any(0).tolist()
-    slots = len(present) - present[::-1].index(True)
+    slots = inputs.vision_slots()
     noise = torch.from_numpy(case.tensors["input.noise"])
     sched = fast.schedule(case.meta["num_steps"])
     rtc = None
@@ -79,11 +78,10 @@ def test_a_prompt_bucket_runs_on_views_of_the_full_length_buffers(fast_policy):
     view["token_mask"].copy_(inputs.token_mask[:, :bucket])
     view["images"].copy_(inputs.images)
     view["image_masks"].copy_(inputs.image_masks)
-    present = inputs.image_masks.any(0).tolist()
     sched = fast.schedule(case.meta["num_steps"])
     with torch.no_grad():
         pad = fast.prefix(view["images"], view["image_masks"], view["tokens"], view["token_mask"], view["k_cache"],
-                          view["v_cache"], len(present) - present[::-1].index(True))
+                          view["v_cache"], inputs.vision_slots())
         actions = fast.denoise(pad, torch.from_numpy(case.tensors["input.noise"]), sched, view["k_cache"],
                                view["v_cache"])
     expected = torch.from_numpy(case.tensors["expected.actions_model"])

@@ -35,8 +35,7 @@ def test_fast_pi0_math_matches_the_reference(pi0, case_dir):
     plen = n * model.vision.dims.num_patches + inputs.tokens.shape[1]
     k = torch.zeros(len(model.vlm.layers), b, -(-(plen + 1 + 50) // 64) * 64, model.vlm.dims.head_dim)
     v = torch.zeros_like(k)
-    present = inputs.image_masks.any(0).tolist()
-    slots = len(present) - present[::-1].index(True)
+    slots = inputs.vision_slots()
     sched = fast.schedule(case.meta["num_steps"])
     rtc = None
     if guidance is not None:

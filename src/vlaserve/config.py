@@ -253,9 +253,10 @@ class RuntimeConfig:
 
     def __post_init__(self):
         buckets = self.prompt_buckets
-        if isinstance(buckets, str) and buckets.strip().lower() in ("auto", "none"):
-            buckets = "auto" if buckets.strip().lower() == "auto" else ()
-        elif isinstance(buckets, str):
+        word = buckets.strip().lower() if isinstance(buckets, str) else None
+        if word in ("auto", "none"):
+            buckets = "auto" if word == "auto" else ()
+        elif word is not None:
             if buckets.strip() and not all(b.strip().isdigit() for b in buckets.split(",")):
                 raise ConfigError("prompt_buckets must be auto, none or comma-separated token lengths, e.g. 48,96")
             buckets = [int(b) for b in buckets.split(",") if b.strip()]
@@ -288,9 +289,10 @@ class RuntimeConfig:
     def resolved_prompt_buckets(self, max_token_len: int, device_type: str) -> tuple[int, ...]:
         """The prompt buckets as given, or for "auto": where the fast path serves (CUDA, fast_path)
         one bucket at half the checkpoint's prompt length (rounded down to a multiple of 16), else
-        none. The padding a bucket drops is masked, so actions change by float reassociation only (run 55: max|Δ| vs fp32 as without); on
-        CUDA its graphs are captured at warm-up, and a call whose prompt fits runs a shorter prefix
-        (ALOHA-3, 70 of 200 tokens: batch 1 15.7 -> 14.8 ms, batch 8 79.8 -> 72.7, docs/benchmarks.md).
+        none. The padding a bucket drops is masked, so actions change by float reassociation only
+        (run 55: max|Δ| vs fp32 as without); on CUDA its graphs are captured at warm-up, and a call
+        whose prompt fits runs a shorter prefix (ALOHA-3, 70 of 200 tokens: batch 1 15.7 -> 14.8 ms,
+        batch 8 79.8 -> 72.7, docs/benchmarks.md).
         The eager model (a CPU, or fast_path=False) keeps the reference's shapes, where the golden
         cases compare every intermediate tensor."""
         if self.prompt_buckets != "auto":

@@ -210,6 +210,13 @@ class ModelInputs:
     # Raw frames (item, slot, [3, H, W]: uint8, or float in [0, 1]) resized into `images` on the device.
     pending: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
+    def vision_slots(self) -> int:
+        """How many leading camera slots any item uses (absent cameras come last in the slot order):
+        the vision tower skips the rest. Reads the masks where they are (a device round trip if on
+        the device)."""
+        present = self.image_masks.any(0).tolist()
+        return len(present) - present[::-1].index(True) if any(present) else 0
+
     def to(self, device) -> "ModelInputs":
         """Moves to `device`; pending frames are resized there, and uint8 images (kept as bytes by
         `prepare`) become [-1, 1] floats there."""

@@ -213,8 +213,7 @@ class Runtime:
             cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i], inputs.token_mask[i],
                       [(slot, frame) for item, slot, frame in inputs.pending if item == i])
             for i in range(len(inputs.tokens))]
-        present = inputs.image_masks.any(0).tolist()  # on the host: no device round trip in `sample`
-        vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
+        vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         with self.device_lock:
             runner = self.runner
             # non_blocking: a plain copy would wait for the batch the device is still running.

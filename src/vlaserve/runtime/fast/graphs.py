@@ -176,8 +176,7 @@ class FastRunner:
         buf = self.buffers(b, token_len)
         graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
         if vision_slots is None:
-            present = inputs.image_masks.any(0).tolist()
-            vision_slots = len(present) - present[::-1].index(True) if any(present) else 0
+            vision_slots = inputs.vision_slots()
         if prefix is None:
             for name in ("images", "image_masks", "tokens", "token_mask"):
                 buf[name].copy_(getattr(inputs, name))
@@ -225,10 +224,10 @@ class FastRunner:
                     masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
                     inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"],
                                          buf.get("state"))
-                    self.sample(inputs, noise, num_steps, None)
+                    self.sample(inputs, noise, num_steps, None, vision_slots=slots)
                 rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
                                   torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
-                self.sample(inputs, noise, num_steps, rtc)
+                self.sample(inputs, noise, num_steps, rtc, vision_slots=slots)  # the last layout
         self._sizes = tuple(sorted(batch_sizes))
         self.frozen = True
 
