@@ -105,7 +105,7 @@ def prefix_attention(b: int, plen: int, heads: int, d: int, pads: int = 130) -> 
 
     def ours():
         return kernels.mqa_attention(q, k[:, :plen], v[:, :plen], bias[:, :plen].contiguous(), heads, plen,
-                                     kernels.TUNING["prefix_attention"])
+                                     kernels.prefix_attention_config(b))
 
     def sdpa():
         qh = q.view(b, heads, plen, d)

@@ -115,21 +115,27 @@ def _step(x0, x1, x2, x3, w_ptr, p0, p1, p2, p3, bar_ptr, err_ptr, R, layer0, LA
     layer_size: tl.constexpr = N0 * K0 + N1 * K1 + N2 * K2 + N3 * K3
     for layer in range(LAYERS):
         w = w_ptr + (layer0 + layer).to(tl.int64) * layer_size
-        _gemm_items(x0, w, p0, R, pid, nprog, N0, K0, S0, BLOCK_R, BLOCK_N, BLOCK_K)
-        if SYNC:
-            _grid_sync(bar_ptr, err_ptr, (layer * 4 + 1) * nprog, LIMIT, SPIN)
+        _phase(x0, w, p0, R, pid, nprog, N0, K0, S0, bar_ptr, err_ptr, (layer * 4 + 1) * nprog, SYNC, LIMIT, SPIN,
+               BLOCK_R, BLOCK_N, BLOCK_K)
         w += N0 * K0
-        _gemm_items(x1, w, p1, R, pid, nprog, N1, K1, S1, BLOCK_R, BLOCK_N, BLOCK_K)
-        if SYNC:
-            _grid_sync(bar_ptr, err_ptr, (layer * 4 + 2) * nprog, LIMIT, SPIN)
+        _phase(x1, w, p1, R, pid, nprog, N1, K1, S1, bar_ptr, err_ptr, (layer * 4 + 2) * nprog, SYNC, LIMIT, SPIN,
+               BLOCK_R, BLOCK_N, BLOCK_K)
         w += N1 * K1
-        _gemm_items(x2, w, p2, R, pid, nprog, N2, K2, S2, BLOCK_R, BLOCK_N, BLOCK_K)
-        if SYNC:
-            _grid_sync(bar_ptr, err_ptr, (layer * 4 + 3) * nprog, LIMIT, SPIN)
+        _phase(x2, w, p2, R, pid, nprog, N2, K2, S2, bar_ptr, err_ptr, (layer * 4 + 3) * nprog, SYNC, LIMIT, SPIN,
+               BLOCK_R, BLOCK_N, BLOCK_K)
         w += N2 * K2
-        _gemm_items(x3, w, p3, R, pid, nprog, N3, K3, S3, BLOCK_R, BLOCK_N, BLOCK_K)
-        if SYNC:
-            _grid_sync(bar_ptr, err_ptr, (layer * 4 + 4) * nprog, LIMIT, SPIN)
+        _phase(x3, w, p3, R, pid, nprog, N3, K3, S3, bar_ptr, err_ptr, (layer * 4 + 4) * nprog, SYNC, LIMIT, SPIN,
+               BLOCK_R, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _phase(x_ptr, w_ptr, p_ptr, R, pid, nprog, N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, bar_ptr,
+           err_ptr, target, SYNC: tl.constexpr, LIMIT: tl.constexpr, SPIN: tl.constexpr, BLOCK_R: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One GEMM of the step, then (SYNC) the grid barrier that a data dependence on it would need.
+    _gemm_items(x_ptr, w_ptr, p_ptr, R, pid, nprog, N, K, K_SPLIT, BLOCK_R, BLOCK_N, BLOCK_K)
+    if SYNC:
+        _grid_sync(bar_ptr, err_ptr, target, LIMIT, SPIN)
 
 
 @triton.jit

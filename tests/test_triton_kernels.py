@@ -26,6 +26,7 @@ from vlaserve.runtime.fast import kernels
 from vlaserve.runtime.fast.model import FastPi05, StaticRTC
 
 assert kernels.available() and kernels.interpreted()
+kernels.TUNING["tma"] = json.loads(sys.argv[2])  # the attention's loads: null = TMA (as on Hopper), false = pointers
 gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
 cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
 torch.manual_seed(0)
@@ -76,12 +77,13 @@ print(json.dumps(report))
 
 # Batch 1, 2, 4 and 8 take each launch-config regime of kernels.TUNING in turn: single row tiles;
 # the 65-, 200- and 400-row tables of the batched GEMMs; the attention configs of batch 1, 4 and 8;
-# our prefix attention at batch 1 and SDPA (token-major q) from batch 2.
-@pytest.mark.parametrize("batch", [1, 2, 4, 8])
-def test_triton_kernels_match_stock_kernels(batch, tmp_path):
+# the prefix attention's configs of batch 1 and from 2 on; and batch 2 once more with the attention's
+# tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper).
+@pytest.mark.parametrize("batch, tma", [(1, None), (2, None), (4, None), (8, None), (2, False)])
+def test_triton_kernels_match_stock_kernels(batch, tma, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(batch)], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(batch), json.dumps(tma)], env=env, capture_output=True,
+                          text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     for name, r in report.items():
@@ -103,9 +105,12 @@ def test_launch_tables_pick_the_entry_for_each_batch_size():
     from vlaserve.runtime.fast import kernels
 
     t = kernels.TUNING
-    assert kernels.attention_config(1) is t["attention"] and kernels.attention_config(3) is t["attention"]
+    assert kernels.attention_config(1) is t["attention"]
+    assert kernels.attention_config(2) is t["attention_batched"][2] is kernels.attention_config(3)
     assert kernels.attention_config(4) is t["attention_batched"][4] is kernels.attention_config(7)
     assert kernels.attention_config(8) is t["attention_batched"][8] is kernels.attention_config(32)
+    assert kernels.prefix_attention_config(1) is t["prefix_attention"]
+    assert kernels.prefix_attention_config(2) is t["prefix_attention_batched"][2] is kernels.prefix_attention_config(8)
     assert kernels.batched_config(100) is t["batched"][65] is kernels.batched_config(199)
     assert kernels.batched_config(10) is t["batched"][65]
     assert kernels.batched_config(200) is t["batched"][200] and kernels.batched_config(1600) is t["batched"][400]
@@ -122,19 +127,26 @@ def test_expert_gemm_families_through_cublas_follow_their_table():
         kernels.through_cublas("lm_head", 8)
 
 
-MERGE_SCRIPT = r'''
+ATTENTION_INPUTS = r'''
 import json
 import torch
 from vlaserve.runtime.fast import kernels
 
 torch.manual_seed(0)
-b, heads, tokens, d, t = 2, 2, 5, 32, 192  # 10 folded queries: not a multiple of 4 or 8 rows
-q, k, v = torch.randn(b, heads * tokens, d).half(), torch.randn(b, t, d).half(), torch.randn(b, t, d).half()
+# 14 folded queries (not a multiple of the query tile, nor of 4 or 8 merge rows) against 150 keys that
+# are views of a 192-row cache (an item stride longer than the keys, as the fast path's cache views
+# have); item 0's last 30 keys are masked, item 1 attends to every key
+b, heads, tokens, d, t, cache = 2, 2, 7, 32, 150, 192
+q = torch.randn(b, heads * tokens, d).half()
+k, v = torch.randn(b, cache, d).half()[:, :t], torch.randn(b, cache, d).half()[:, :t]
 bias = torch.zeros(b, t)
-bias[0, 150:] = -3.0e38  # item 0's cache tail is masked, item 1 attends to every key
+bias[0, 120:] = -3.0e38
 scores = (q.float() @ k.float().transpose(1, 2)) * d**-0.5 + bias[:, None]
 ref = (torch.softmax(scores, -1) @ v.float()).view(b, heads, tokens, d).transpose(1, 2).reshape(b, tokens, heads * d)
 report = {}
+'''
+
+MERGE_SCRIPT = ATTENTION_INPUTS + r'''
 for rows in (1, 2, 4, 8):
     kernels.TUNING["merge"] = {"rows": rows, "warps": 4}
     out = kernels.mqa_attention(q, k, v, bias, heads, tokens,
@@ -143,14 +155,42 @@ for rows in (1, 2, 4, 8):
 print(json.dumps(report))
 '''
 
+TMA_SCRIPT = ATTENTION_INPUTS + r'''
+for splits in (1, 4):
+    cfg = {"block_m": 16, "splits": splits, "block_t": 32, "warps": 4, "stages": 2}
+    outs = {}
+    for tma in (True, False):
+        kernels.TUNING["tma"] = tma
+        outs[tma] = kernels.mqa_attention(q, k, v, bias, heads, tokens, cfg)
+    report[splits] = {"equal": bool(torch.equal(outs[True], outs[False])),
+                      "vs_fp32": float((outs[True].float() - ref).abs().max())}
+print(json.dumps(report))
+'''
+
+
+def interpreted_report(script: str) -> dict:
+    """Runs `script` under Triton's interpreter; its last stdout line, as JSON."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 
 def test_attention_merge_takes_any_number_of_queries_per_program():
     # Four key splits merged by their log-sum-exp, 1 to 8 queries per merge program (the last
     # program of an item partly empty), against the softmax attention in float32.
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-    done = subprocess.run([sys.executable, "-c", MERGE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = interpreted_report(MERGE_SCRIPT)
     # The outputs lie within |2|, where one fp16 step is 2e-3: a wrong row, split or mask is off by
     # the output's own size (~1), the fp16 rounding of q/k/v and the output by far less.
     assert all(err < 4e-3 for err in report.values()), report
+
+
+def test_attention_tiles_through_tma_equal_pointer_loads():
+    # The same sums in the same order, whether the copy engine or pointer loads bring the tiles in:
+    # bit-identical outputs, with one key split and with four (64 keys each: the third runs past the
+    # keys' end and the fourth lies wholly beyond it, where TMA zero-fills what pointer loads mask),
+    # and both the softmax attention up to fp16 rounding.
+    report = interpreted_report(TMA_SCRIPT)
+    assert all(r["equal"] for r in report.values()), report
+    # Outputs within |2|, one fp16 step 2e-3 (as the merge test): a wrong row or mask is off by ~1.
+    assert all(r["vs_fp32"] < 4e-3 for r in report.values()), report

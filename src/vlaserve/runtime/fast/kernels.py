@@ -5,7 +5,8 @@ reading the weights far below memory bandwidth. These kernels split K as well, a
 follows each GEMM into the pass that reduces its partial sums:
 - qkv:     split-K GEMM -> reduce + RoPE + write q, and k/v straight into the K/V cache tail
 - attention: MQA with the 8 query heads folded into one query axis, keys split across programs,
-           then a log-sum-exp merge
+           then a log-sum-exp merge; the prefix's attention too (one split); on Hopper the q/k/v
+           tiles come in through TMA descriptors
 - o, down: split-K GEMM -> reduce + gated residual + the next AdaRMS norm (one row per program)
 - gate_up: one GEMM with both halves in the same program -> GeGLU in the epilogue
 - action in/out: the fp32 projections between the expert and the Euler update, with the update
@@ -44,8 +45,9 @@ def available() -> bool:
 
 try:  # Triton >= 3.4 (torch 2.11 ships 3.6)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
-    gdc_launch_dependents = gdc_wait = None
+    gdc_launch_dependents = gdc_wait = TensorDescriptor = None
 
 if triton is not None:
 
@@ -206,7 +208,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
-                  k_batch_stride, q_batch_stride, TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+                  k_batch_stride, q_batch_stride, PDL: tl.constexpr):
         # One program per token: sum the split-K partials of its q/k/v row, rotate q and k.
         row = tl.program_id(0)
         _await_inputs(PDL)
@@ -233,12 +235,8 @@ if triton is not None:
         out_lo = (x_lo * c).to(q_ptr.dtype.element_ty).to(tl.float32) - (x_hi * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         out_hi = (x_hi * c).to(q_ptr.dtype.element_ty).to(tl.float32) + (x_lo * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         d = tl.arange(0, HALF)[None, :]
-        # q layout [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis; or
-        # TOKEN_MAJOR [B, H, HQ, D], the layout SDPA keeps for its output (no transposing copy after)
-        if TOKEN_MAJOR:
-            q_off = b * q_batch_stride + (tok * HQ + heads[:, None]) * 2 * HALF + d
-        else:
-            q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
+        # q layout [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis
+        q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
         is_q = heads[:, None] < HQ
         tl.store(q_ptr + q_off, out_lo.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(q_ptr + q_off + HALF, out_hi.to(q_ptr.dtype.element_ty), mask=is_q)
@@ -261,10 +259,24 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
-    def _mqa_split(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale,
+    def _rows(src, b, start, limit, batch_stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+        """Rows [start, start + ROWS) of item b of a [B, limit, D] tensor, zeros past `limit`: through
+        a TMA descriptor (the copy engine fills shared memory; out-of-range rows come back zero), or
+        through pointers (`src` the tensor, `batch_stride` its item stride)."""
+        if TMA:
+            tile = src.load([b, start, 0]).reshape(ROWS, D)
+        else:
+            rows = start + tl.arange(0, ROWS)
+            d = tl.arange(0, D)
+            tile = tl.load(src + b * batch_stride + rows[:, None] * D + d[None, :], mask=rows[:, None] < limit,
+                           other=0.0)
+        return tile
+
+    @triton.jit
+    def _mqa_split(q_src, k_src, v_src, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale,
                    q_batch_stride, kv_batch_stride, HQ: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   TMA: tl.constexpr, PDL: tl.constexpr):
         # Flash attention over one key range. Every query of an item shares the key bias [T], so
         # the mask costs a vector, not a matrix. DIRECT (one split): write the normalized output
         # token-major [B, H, HQ * D] for o_proj; else fp32 partials + log-sum-exp for _mqa_merge.
@@ -272,16 +284,16 @@ if triton is not None:
         qs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
         _await_inputs(PDL)
-        q = tl.load(q_ptr + b * q_batch_stride + qs[:, None] * D + d[None, :], mask=qs[:, None] < NQ, other=0.0)
+        q = _rows(q_src, b, pid_m * BLOCK_M, NQ, q_batch_stride, BLOCK_M, D, TMA)
         m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for t0 in range(0, T_SPLIT, BLOCK_T):
-            ts = pid_s * T_SPLIT + t0 + tl.arange(0, BLOCK_T)
-            inside = ts < T
-            k = tl.load(k_ptr + b * kv_batch_stride + ts[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            v = tl.load(v_ptr + b * kv_batch_stride + ts[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            bias = tl.load(bias_ptr + b * T + ts, mask=inside, other=-3.0e38)
+            start = pid_s * T_SPLIT + t0
+            k = _rows(k_src, b, start, T, kv_batch_stride, BLOCK_T, D, TMA)
+            v = _rows(v_src, b, start, T, kv_batch_stride, BLOCK_T, D, TMA)
+            ts = start + tl.arange(0, BLOCK_T)
+            bias = tl.load(bias_ptr + b * T + ts, mask=ts < T, other=-3.0e38)
             m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale)
         if DIRECT:
             head, tok = qs // H, qs % H
@@ -371,8 +383,11 @@ TUNING = {
     # The expert's attention (50 x 8 query rows per item, keys split across programs) at batch 1,
     # and from each batch size listed in "attention_batched" on (the largest key <= the batch).
     # (SDPA instead was slower at every batch size, run 42: 22.7 vs 15.9 ms of denoise at batch 8.)
-    "attention": {"block_m": 64, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
+    # With TMA loads (run 71, bench/attention_tma.py, the denoise graph) 16 key splits win at batch
+    # 1 (6.62 ms vs 6.71 at 8); batch 2 keeps 8, and 4 and 8 keep run 42's configs (the bests again).
+    "attention": {"block_m": 64, "splits": 16, "block_t": 64, "warps": 4, "stages": 2},
     "attention_batched": {
+        2: {"block_m": 64, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
         4: {"block_m": 64, "splits": 4, "block_t": 64, "warps": 4, "stages": 2},
         8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
     },
@@ -380,8 +395,13 @@ TUNING = {
     # (bench/rows_per_program.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
     # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
     "merge": {"rows": 2, "warps": 4},
-    # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU).
+    # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU), and
+    # from each batch size in "prefix_attention_batched" on. Run 71 (bench/attention_tma.py, one
+    # layer at 864 tokens, us, TMA / pointer loads / SDPA-cuDNN): b1 29.4 / 34.1 / 54.8, b2 (128
+    # queries a tile) 37.5 / 47.9 / 57.8, b4 71.1 / 90.3 / 109.0, b8 150.4 / 186.9 / 214.0. So the
+    # prefix no longer goes through SDPA at batch >= 2 (runs 48-57 chose it over 64-query tiles).
     "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 4, "stages": 2},
+    "prefix_attention_batched": {2: {"block_m": 128, "splits": 1, "block_t": 64, "warps": 8, "stages": 2}},
     # action_step up to max_rows rows (batch x horizon): at batch 1 it beats the eager ops (fp32
     # cuBLAS + elementwise: 445 -> 269 us per call, run 28); from batch 2 on they are faster.
     "action": {"block_r": 2, "block_k": 128, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 4},
@@ -399,11 +419,6 @@ TUNING = {
               "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "warps": 8, "stages": 3},
               "qkv": {"block_r": 128, "block_n": 64, "block_k": 64, "warps": 8, "stages": 4}},
     },
-    # The prefix's attention from this batch size on through SDPA (cuDNN): it ties our one-split
-    # Triton kernel at batch 2 and beats it from 4 on (run 48: 83.4 vs 83.0 us per layer at batch
-    # 2, 291.5 vs 315.9 at 8), and its output needs no transposing copy (q token-major); at batch 1
-    # ours wins, 44.8 vs 73.0 us.
-    "prefix_sdpa_min_batch": 2,
     # Expert GEMM families (EXPERT_GEMMS) that run through cuBLAS (F.linear, then our RoPE / GeGLU /
     # residual-norm kernel on its bf16 output: the same rounding points) from this batch size on;
     # the rest run our split-K / fused kernels. Run 52 (bench/expert_gemms.py,
@@ -413,6 +428,9 @@ TUNING = {
     "cublas_from_batch": {"qkv": 4, "gate_up": 4},
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
+    # The attention's q/k/v tiles through TMA descriptors: None = where the GPU has them (sm90+),
+    # else as given. Bit-identical to the pointer loads, and faster (run 70).
+    "tma": None,
 }
 
 
@@ -426,6 +444,21 @@ def pdl_enabled() -> bool:
     if TUNING["pdl"] is not None:
         return bool(TUNING["pdl"])
     return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def tma_enabled() -> bool:
+    """Whether the attention loads its tiles through TMA descriptors: None = where the GPU has the
+    copy engine for them (sm90+; the interpreter too, so that CI runs this path), else as given."""
+    if TensorDescriptor is None:
+        return False
+    if TUNING["tma"] is not None:
+        return bool(TUNING["tma"])
+    return interpreted() or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def _rows_descriptor(x: torch.Tensor, rows: int):
+    """A TMA descriptor over x [B, N, D] (rows contiguous) that loads [1, rows, D] boxes."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, x.shape[2]])
 
 
 def _pdl_launch(pdl: bool) -> dict:
@@ -555,14 +588,12 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        token_major: bool = False) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
     projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
-    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis), or with
-    `token_major` (projection outputs only) q [B, tokens, num_heads, D].
+    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]
@@ -579,18 +610,29 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), TOKEN_MAJOR=token_major, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
-    return q.view(b, tokens, num_heads, d) if token_major else q
+                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+    return q
 
 
 def attention_config(batch: int):
     """The expert attention's launch config at this batch size."""
-    sizes = [s for s in TUNING["attention_batched"] if s <= batch]
-    return TUNING["attention_batched"][max(sizes)] if sizes else TUNING["attention"]
+    return _by_batch("attention", batch)
+
+
+def prefix_attention_config(batch: int):
+    """The prefix attention's launch config at this batch size (where it runs on ours)."""
+    return _by_batch("prefix_attention", batch)
+
+
+def _by_batch(family: str, batch: int):
+    # TUNING[family] at batch 1, TUNING[family + "_batched"][s] from batch size s on.
+    table = TUNING[f"{family}_batched"]
+    sizes = [s for s in table if s <= batch]
+    return table[max(sizes)] if sizes else TUNING[family]
 
 
 def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: dict) -> torch.Tensor:
-    """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D], bias [B, T] fp32
+    """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D] (any item stride), bias [B, T] fp32
     -> [B, tokens, num_heads * D] (token-major, ready for o_proj). cfg: block_m, splits, block_t,
     warps, stages (several key splits add a log-sum-exp merge)."""
     b, nq, d = q.shape
@@ -599,18 +641,20 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
-    pdl = pdl_enabled()
+    pdl, tma = pdl_enabled(), tma_enabled()
+    sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
+               _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
     launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     if splits == 1:
-        _mqa_split[grid](q, k_cache, v_cache, bias, out, out, nq, tokens, t, t_split, d**-0.5,
+        _mqa_split[grid](*sources, bias, out, out, nq, tokens, t, t_split, d**-0.5,
                          q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
-                         D=d, DIRECT=True, PDL=pdl, **launch)
+                         D=d, DIRECT=True, TMA=tma, PDL=pdl, **launch)
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
-    _mqa_split[grid](q, k_cache, v_cache, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
+    _mqa_split[grid](*sources, bias, parts, lse, nq, tokens, t, t_split, d**-0.5,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
-                     D=d, DIRECT=False, PDL=pdl, **launch)
+                     D=d, DIRECT=False, TMA=tma, PDL=pdl, **launch)
     merge = TUNING["merge"]
     _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
                                                      ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],

@@ -183,30 +183,16 @@ class FastPi05:
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
-        sdpa = b >= kernels.TUNING["prefix_sdpa_min_batch"]
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
-            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen,
-                                            token_major=sdpa)
+            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
             if i == len(layers) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
-            attn = self._prefix_attention(q, *kv, key_bias, b, plen)
+            attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
             down = F.linear(kernels.geglu(F.linear(y, lw.gate_up)), lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
-
-    def _prefix_attention(self, q, k, v, key_bias, b: int, plen: int) -> torch.Tensor:
-        """MQA over the prefix, k/v [B, P, D] -> [B, P, heads * D]: our kernel on q [B, heads * P, D]
-        (head-major), or from prefix_sdpa_min_batch on SDPA on q [B, P, heads, D] (token-major:
-        SDPA's output keeps q's layout, so o_proj reads it without a transposing copy)."""
-        heads, d = self.vlm_dims.num_heads, self.vlm_dims.head_dim
-        if b < kernels.TUNING["prefix_sdpa_min_batch"]:
-            return kernels.mqa_attention(q, k, v, key_bias, heads, plen, kernels.TUNING["prefix_attention"])
-        mask = key_bias[:, None, None, :].to(q.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, None], v[:, None], attn_mask=mask,
-                                             enable_gqa=True)
-        return out.transpose(1, 2).reshape(b, plen, heads * d)
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):
