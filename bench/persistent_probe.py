@@ -10,6 +10,7 @@ of a call (18 layers of random weights, so the weights stream from HBM as in a r
 
 - `launches`:     one kernel per GEMM and layer (one program per work item), 720 launches in a graph
 - `launches_pdl`: the same with programmatic dependent launch, as the served kernels run
+- `launches_pdl_tma`: the same with x and w tiles through TMA descriptors (run 74)
 - `persistent_*`: one kernel per Euler step, the four GEMMs of each layer as phases with a grid
                   barrier after each (72 barriers a step), every work item looped over by a fixed set
                   of resident programs; two ways of polling the barrier's counter
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 GEMMS = (("qkv", 2560, 1024), ("o", 1024, 2048), ("gate_up", 8192, 1024), ("down", 1024, 4096))  # N, K
 LAYERS, STEPS, ROWS = 18, 10, 50
@@ -102,6 +104,24 @@ def _one_gemm(x_ptr, w_ptr, p_ptr, R, N: tl.constexpr, K: tl.constexpr, K_SPLIT:
         gdc_launch_dependents()
     _gemm_items(x_ptr, w_ptr, p_ptr, R, tl.program_id(0), tl.num_programs(0), N, K, K_SPLIT,
                 BLOCK_R, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _one_gemm_tma(x_desc, w_desc, p_ptr, R, N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # `_one_gemm` with x and w tiles through TMA descriptors (rows past R come back zero).
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    n_tiles: tl.constexpr = N // BLOCK_N
+    item = tl.program_id(0)
+    col0, split = (item % n_tiles) * BLOCK_N, item // n_tiles
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        kk = split * K_SPLIT + k0
+        acc += tl.dot(x_desc.load([0, kk]), tl.trans(w_desc.load([col0, kk])))
+    rows, cols = tl.arange(0, BLOCK_R), col0 + tl.arange(0, BLOCK_N)
+    tl.store(p_ptr + split * R * N + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < R)
 
 
 @triton.jit
@@ -203,6 +223,20 @@ def run_launches(p: Problem, cfg: dict, outs, steps: int, pdl: bool) -> None:
                     num_stages=cfg["stages"], **({"launch_pdl": True} if pdl else {}))
 
 
+def run_launches_tma(p: Problem, cfg: dict, outs, steps: int, pdl: bool) -> None:
+    bn, bk = cfg["block_n"], cfg["block_k"]
+    xs = [TensorDescriptor.from_tensor(x, [64, bk]) for x in p.x]
+    ws = [[TensorDescriptor.from_tensor(p.weight(layer, j), [bn, bk]) for j in range(len(p.gemms))]
+          for layer in range(p.layers)]
+    for step in range(steps):
+        for layer in range(p.layers):
+            for j, (_, n, k) in enumerate(p.gemms):
+                s = cfg["splits"][j]
+                _one_gemm_tma[((n // bn) * (k // s),)](
+                    xs[j], ws[layer][j], outs[j], p.rows, N=n, K=k, K_SPLIT=s, BLOCK_R=64, BLOCK_N=bn, BLOCK_K=bk,
+                    PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **({"launch_pdl": True} if pdl else {}))
+
+
 def _step_args(p: Problem, cfg: dict, outs, sync: bool, spin: int):
     (n0, k0), (n1, k1), (n2, k2), (n3, k3) = [(n, k) for _, n, k in p.gemms]
     s0, s1, s2, s3 = cfg["splits"]
@@ -258,8 +292,12 @@ def reference(p: Problem, layer: int) -> list[torch.Tensor]:
 CONFIGS = ((132, 64, 128, 4), (264, 64, 128, 3), (264, 32, 128, 4), (132, 32, 256, 4), (132, 64, 256, 3))
 
 
-def configs():
-    for nprog_per_sm, block_n, block_k, stages in CONFIGS:
+# --launches-only (run 74): the separate-launch variants over a wider sweep.
+LAUNCH_CONFIGS = tuple(itertools.product((132, 264), (16, 32, 64), (128, 256), (3, 4)))
+
+
+def configs(launches_only: bool = False):
+    for nprog_per_sm, block_n, block_k, stages in (LAUNCH_CONFIGS if launches_only else CONFIGS):
         yield {"nprog": nprog_per_sm, "block_n": block_n, "block_k": block_k, "warps": 4, "stages": stages}
 
 
@@ -285,6 +323,7 @@ def time_graph(fn, iters: int = 20) -> float:
 VARIANTS = {  # name -> how one call's GEMMs run
     "launches": lambda p, cfg, outs: run_launches(p, cfg, outs, STEPS, pdl=False),
     "launches_pdl": lambda p, cfg, outs: run_launches(p, cfg, outs, STEPS, pdl=True),
+    "launches_pdl_tma": lambda p, cfg, outs: run_launches_tma(p, cfg, outs, STEPS, pdl=True),
     "persistent_rmw_spin": lambda p, cfg, outs: run_persistent(p, cfg, outs, STEPS, True, spin=0),
     "persistent_load_spin": lambda p, cfg, outs: run_persistent(p, cfg, outs, STEPS, True, spin=1),
     "no_barrier": lambda p, cfg, outs: run_persistent(p, cfg, outs, STEPS, False),
@@ -294,7 +333,10 @@ VARIANTS = {  # name -> how one call's GEMMs run
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--launches-only", action="store_true",
+                        help="only the separate-launch variants (pointer and TMA loads), over LAUNCH_CONFIGS")
     args = parser.parse_args()
+    variants = {k: v for k, v in VARIANTS.items() if k.startswith("launches")} if args.launches_only else VARIANTS
     started = time.time()
     results = {"device": torch.cuda.get_device_name(), "gemms": GEMMS, "layers": LAYERS, "steps": STEPS,
                "rows": ROWS, "barrier_check": [], "variants": []}
@@ -306,31 +348,31 @@ def main():
             (d / "persistent_probe.json").write_text(json.dumps(results, indent=1))
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for nprog, spin in itertools.product((sms, 2 * sms), (0, 1)):
+    for nprog, spin in itertools.product((sms, 2 * sms), (0, 1)) if not args.launches_only else ():
         results["barrier_check"].append(barrier_check(nprog, 2000, spin))
         print("barrier check", results["barrier_check"][-1], flush=True)
     p = Problem()
     gb = p.bytes_per_call(STEPS) / 1e9
     ref = reference(p, LAYERS - 1)
-    for cfg in configs():
+    for cfg in configs(args.launches_only):
         cfg["nprog"] = sms * cfg["nprog"] // 132
         cfg["splits"] = [split_for(n, k, cfg["block_n"], cfg["block_k"], cfg["nprog"]) for _, n, k in GEMMS]
         row = {**cfg}
         try:
-            outs = {name: p.outputs(cfg["splits"]) for name in VARIANTS}
-            for spin in (0, 1):
+            outs = {name: p.outputs(cfg["splits"]) for name in variants}
+            for spin in (0, 1) if not args.launches_only else ():
                 a, kw = _step_args(p, cfg, outs["no_barrier"], True, spin)
                 row[f"resources_spin{spin}"] = resident_per_sm(_step.warmup(*a, grid=(1,), **kw), cfg["warps"])
-            if any(cfg["nprog"] > row[f"resources_spin{s}"]["per_sm"] * sms for s in (0, 1)):
+            if any(cfg["nprog"] > row[f"resources_spin{s}"]["per_sm"] * sms for s in (0, 1) if not args.launches_only):
                 row["error"] = "not every program would be resident: skipped"
             else:
                 p.err.zero_()
-                for name, run in VARIANTS.items():
+                for name, run in variants.items():
                     row[f"{name}_ms"] = time_graph(lambda: run(p, cfg, outs[name]))
                     row[f"{name}_tbps"] = gb / row[f"{name}_ms"]
                 row["barrier_timeouts"] = int(p.err.item())
                 sums = {name: [o.sum(0) for o in os_] for name, os_ in outs.items()}
-                row["all_equal_launches"] = all(torch.equal(a, b) for name in VARIANTS
+                row["all_equal_launches"] = all(torch.equal(a, b) for name in variants
                                                 for a, b in zip(sums[name], sums["launches"]))
                 row["max_rel_vs_fp32"] = max(float((a - r).abs().max() / r.abs().max())
                                              for a, r in zip(sums["launches"], ref))
@@ -340,7 +382,7 @@ def main():
         print(json.dumps(row), flush=True)
         save()
     ok = [r for r in results["variants"] if "error" not in r]
-    for name in VARIANTS:
+    for name in variants:
         best = min(ok, key=lambda r: r[f"{name}_ms"])
         results[f"best_{name}"] = {k: best[k] for k in ("nprog", "block_n", "block_k", "stages", "splits",
                                                          f"{name}_ms", f"{name}_tbps")}
