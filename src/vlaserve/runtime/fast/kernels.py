@@ -641,7 +641,8 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
-    pdl, tma = pdl_enabled(), tma_enabled()
+    # A TMA box holds at most 256 elements a side, rows of a multiple of 16 bytes (Gemma: D = 256)
+    pdl, tma = pdl_enabled(), tma_enabled() and d <= 256 and (d * q.element_size()) % 16 == 0
     sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
                _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
     launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
