@@ -429,7 +429,7 @@ TUNING = {
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
     # The attention's q/k/v tiles through TMA descriptors: None = where the GPU has them (sm90+),
-    # else as given. Bit-identical to the pointer loads, and faster (run 70).
+    # else as given. Bit-identical to the pointer loads, and faster (runs 70-71).
     "tma": None,
 }
 
