@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -28,6 +27,7 @@ from bench_gpu import lerobot_policy, log, maxdiff, per_item_max, random_prefix_
 from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
 from vlaserve.model.pi0 import Pi0Model  # noqa: E402
 from vlaserve.checkpoint.weights import PI0_LAYOUT  # noqa: E402
+from vlaserve.types import ModelInputs  # noqa: E402
 from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 
 CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS, STATE = 3, 48, 20, 50, 10, 32
@@ -53,7 +53,7 @@ def make_inputs(b: int, vocab: int, seed: int):
     state = torch.zeros(b, STATE, device="cuda")
     state[:, :14] = torch.rand(b, 14, device="cuda", generator=g) * 2 - 1
     noise = torch.randn(b, HORIZON, 32, device="cuda", generator=g)
-    return SimpleNamespace(images=images, image_masks=masks, tokens=tokens, token_mask=token_mask, state=state), noise
+    return ModelInputs(images, masks, tokens, token_mask, state), noise
 
 
 def eager(model, x, noise):
