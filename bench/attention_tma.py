@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench_gpu import log, maxdiff, time_cuda
+from bench_gpu import log, maxdiff, time_graphed
 from kernel_ladder import BATCHES, bench_run, denoise_setup, time_denoise
 from tune_batches import attention_candidates
 
@@ -33,11 +33,7 @@ HEADS, HEAD_DIM, PREFIX, PADS = 8, 256, 3 * 256 + 96, 26
 
 
 def graphed_us(fn) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, warmup=3, iters=30)["p50_ms"] * 1e3
+    return time_graphed(fn, iters=30)["p50_ms"] * 1e3
 
 
 def prefix_configs():

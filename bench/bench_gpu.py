@@ -94,6 +94,16 @@ def time_cuda(fn, warmup=3, iters=20):
             "min_ms": times[0], "n": len(times)}
 
 
+def time_graphed(fn, warmup=3, iters=20):
+    """time_cuda of `fn` captured in one CUDA graph (run once before, so that its kernels are
+    compiled and its buffers allocated): what the fast path's graphs pay, no launch overhead."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, warmup=warmup, iters=iters)
+
+
 def ceilings():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

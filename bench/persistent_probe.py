@@ -44,6 +44,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from bench_gpu import time_graphed
+
 GEMMS = (("qkv", 2560, 1024), ("o", 1024, 2048), ("gate_up", 8192, 1024), ("down", 1024, 4096))  # N, K
 LAYERS, STEPS, ROWS = 18, 10, 50
 SPIN_LIMIT = 1 << 18  # a barrier that waits longer than this (~0.3 s) reports an error instead of hanging
@@ -301,23 +303,8 @@ def configs(launches_only: bool = False):
         yield {"nprog": nprog_per_sm, "block_n": block_n, "block_k": block_k, "warps": 4, "stages": stages}
 
 
-def time_graph(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def time_graph(fn) -> float:
+    return time_graphed(fn)["p50_ms"]
 
 
 VARIANTS = {  # name -> how one call's GEMMs run

@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from bench_gpu import STEPS, TOKENS, eager, log, make_inputs, maxdiff, time_cuda  # noqa: E402
+from bench_gpu import STEPS, TOKENS, eager, log, make_inputs, maxdiff, time_cuda, time_graphed  # noqa: E402
 from kernel_ladder import bench_run, denoise_setup, time_denoise  # noqa: E402
 
 from vlaserve.model.gemma import MASK_VALUE  # noqa: E402
@@ -91,10 +91,7 @@ def prefix_attention_sweep(plen: int, heads: int, d: int) -> list:
     for c in [default] + configs:
         try:
             out = kernels.mqa_attention(q, k, v, bias, heads, plen, c)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                kernels.mqa_attention(q, k, v, bias, heads, plen, c)
-            us = time_cuda(graph.replay, warmup=3, iters=30)["p50_ms"] * 1e3
+            us = time_graphed(lambda: kernels.mqa_attention(q, k, v, bias, heads, plen, c), iters=30)["p50_ms"] * 1e3
         except Exception as exc:
             log(f"prefix attention {c}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
