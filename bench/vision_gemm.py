@@ -70,6 +70,54 @@ def triton_linear(x, w, b, config):
     return y
 
 
+@triton.jit
+def gelu_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """y = GELU(x), tanh form, in fp32 between bf16 loads and stores (torch's rounding points)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    y = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=offs < n)
+
+
+def padded() -> dict:
+    """fc1 (N = 4304) and fc2 (K = 4304) with the MLP width zero-padded to 4352 / 4608 (the padded
+    columns' GELU is 0 and meets zero weights: the same sums), and the GELU between them: torch's
+    kernel against one Triton pass, at M = 768 and 6144."""
+    out = {}
+    for m in (768, 6144):
+        x = torch.randn(m, 1152, device="cuda", dtype=torch.bfloat16)
+        fc1 = torch.randn(4304, 1152, device="cuda", dtype=torch.bfloat16) * 1152**-0.5
+        fc2 = torch.randn(1152, 4304, device="cuda", dtype=torch.bfloat16) * 4304**-0.5
+        b1 = torch.randn(4304, device="cuda", dtype=torch.bfloat16)
+        b2 = torch.randn(1152, device="cuda", dtype=torch.bfloat16)
+        for width in (4304, 4352, 4608):
+            w1 = torch.zeros(width, 1152, device="cuda", dtype=torch.bfloat16)
+            w1[:4304] = fc1
+            b1 = torch.cat([b1[:4304], b1.new_zeros(width - 4304)])
+            w2 = torch.zeros(1152, width, device="cuda", dtype=torch.bfloat16)
+            w2[:, :4304] = fc2
+            h = F.gelu(F.linear(x, w1, b1), approximate="tanh")
+            row = {"fc1_us": triton.testing.do_bench(lambda: F.linear(x, w1, b1)) * 1e3,
+                   "fc2_us": triton.testing.do_bench(lambda: F.linear(h, w2, b2)) * 1e3,
+                   "y": F.linear(h, w2, b2)}
+            out[(m, width)] = row
+        ref = out[(m, 4304)]["y"]
+        for width in (4304, 4352, 4608):
+            row = out[(m, width)]
+            row["vs_4304"] = float((row.pop("y") - ref).float().abs().max())
+        g = F.linear(x, fc1, b1[:4304])
+        y = torch.empty_like(g)
+        tri = lambda: gelu_kernel[(triton.cdiv(g.numel(), 2048),)](g, y, g.numel(), BLOCK=2048)  # noqa: E731
+        tri()
+        out[(m, "gelu")] = {"torch_us": triton.testing.do_bench(lambda: F.gelu(g, approximate="tanh")) * 1e3,
+                            "triton_us": triton.testing.do_bench(tri) * 1e3,
+                            "triton_vs_torch": float((y - F.gelu(g, approximate="tanh")).float().abs().max())}
+        for key in [k for k in out if k[0] == m]:
+            print("padded", key, out[key], flush=True)
+    return {f"{m}_{w}": v for (m, w), v in out.items()}
+
+
 def end_to_end() -> dict:
     """The full-size fast path (random weights, graphs captured under each library preference):
     p50 per call at batch 1 and 8, stage times, and how far the two libraries' actions lie apart."""
@@ -134,7 +182,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--end-to-end", action="store_true", help="also the whole fast path with either library")
     ap.add_argument("--patch-embedding", action="store_true", help="only the patch embedding: convolution vs GEMM")
+    ap.add_argument("--padded", action="store_true", help="only fc1/fc2 with the MLP width padded, and the GELU")
     args = ap.parse_args()
+    if args.padded:
+        result = {"device": torch.cuda.get_device_name(), "padded": padded()}
+        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "vision_padded.json").write_text(json.dumps(result, indent=1))
+        return
     if args.patch_embedding:
         result = {"device": torch.cuda.get_device_name(), "patch_embedding": patch_embedding()}
         for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
