@@ -61,21 +61,6 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _prefetch_l2(ptr, numel, PREFETCH: tl.constexpr, LINE: tl.constexpr):
-        # Ask L2 for this program's share of ptr[:numel] (the next GEMM's weights: they never
-        # change, so this needs no wait), one line of LINE elements (128 bytes) per lane. Nothing
-        # waits for it: the next kernel's loads then find their lines in L2 or already on the way.
-        if PREFETCH:
-            pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            lines = tl.cdiv(numel, LINE)
-            per = tl.cdiv(lines, programs)
-            for first in range(pid * per, tl.minimum(pid * per + per, lines), 256):
-                line = tl.minimum(first + tl.arange(0, 256), lines - 1)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + line * LINE],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def gelu_tanh(g):
         """GELU, tanh form, in fp32 (tanh(z) as 2 / (1 + exp(-2z)) - 1)."""
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
@@ -83,13 +68,11 @@ if triton is not None:
         return 0.5 * g * (1.0 + t)
 
     @triton.jit
-    def _splitk_gemm(x_ptr, w_ptr, p_ptr, pf_ptr, pf_numel, R, N, K, K_SPLIT, stride_x, stride_w,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr, LINE: tl.constexpr):
+    def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_l2(pf_ptr, pf_numel, PREFETCH, LINE)
         _await_inputs(PDL)
         acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
@@ -119,10 +102,8 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _geglu_gemm(x_ptr, w_ptr, o_ptr, pf_ptr, pf_numel, R, M, K, stride_x, stride_w,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                    PREFETCH: tl.constexpr, LINE: tl.constexpr):
-        _prefetch_l2(pf_ptr, pf_numel, PREFETCH, LINE)
+    def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,6 +161,14 @@ if triton is not None:
         tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _gelu_flat(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        # y = gelu_tanh(x) over n elements, in fp32 between the loads and the stores (torch's
+        # rounding points; run 80: bit-identical to F.gelu at SigLIP's shapes, 30.2 vs 34.7 us at batch 8).
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, gelu_tanh(x).to(y_ptr.dtype.element_ty), mask=offs < n)
+
+    @triton.jit
     def _geglu_rows(x_ptr, y_ptr, M, BLOCK: tl.constexpr):
         # x [R, 2M] = [gate | up] -> y [R, M] = gelu_tanh(gate) * up, rounding as the eager path.
         row, pid = tl.program_id(0), tl.program_id(1)
@@ -191,10 +180,9 @@ if triton is not None:
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pf_ptr, pf_numel, R, K, H, stride_x,
-                       stride_w, k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH: tl.constexpr, LINE: tl.constexpr):
+    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
+                       k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
         # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
         pid = tl.program_id(0)
@@ -203,7 +191,6 @@ if triton is not None:
         d = j * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        _prefetch_l2(pf_ptr, pf_numel, PREFETCH, LINE)
         acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
                                                  BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         dt = q_ptr.dtype.element_ty
@@ -270,35 +257,16 @@ if triton is not None:
         tl.store(v_ptr + b * k_batch_stride + tok * 2 * HALF + vd + HALF, v_hi.to(q_ptr.dtype.element_ty))
 
     @triton.jit
-    def _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale, EXP2: tl.constexpr, LAZY: tl.constexpr):
-        """One key tile of flash attention: running max m_i, denominator l_i, fp32 accumulator.
-        EXP2: scores in log2 units (scale already times log2 e; a bias of 0 or the mask value means
-        the same in either unit). LAZY: keep a stale running max unless some row's grows by more
-        than 2^8 (the rescale of acc then runs only then; p stays <= 256)."""
-        scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
-        if LAZY:
-            m_blk = tl.max(scores, axis=1)
-            if tl.max(m_blk - m_i, axis=0) > 8.0:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(scores - m_i[:, None])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            l_i = l_i + tl.sum(p, axis=1)
-        else:
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            if EXP2:
-                p = tl.exp2(scores - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-            else:
-                p = tl.exp(scores - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        return m_i, l_i, acc
+    def _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2):
+        """One key tile of flash attention: running max m_i, denominator l_i, fp32 accumulator. The
+        scores are in log2 units (scale2 = scale * log2 e; a bias of 0 or the mask value means the
+        same in either unit), which saves a multiply per score (run 79: 1-3% of the attention)."""
+        scores = tl.dot(q, tl.trans(k)) * scale2 + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
     def _rows(src, b, start, limit, batch_stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
@@ -315,11 +283,10 @@ if triton is not None:
         return tile
 
     @triton.jit
-    def _mqa_split(q_src, k_src, v_src, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale,
+    def _mqa_split(q_src, k_src, v_src, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale2,
                    q_batch_stride, kv_batch_stride, HQ: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
-                   TMA: tl.constexpr, PDL: tl.constexpr, EXP2: tl.constexpr = False, LAZY: tl.constexpr = False,
-                   WS: tl.constexpr = False):
+                   TMA: tl.constexpr, PDL: tl.constexpr):
         # Flash attention over one key range. Every query of an item shares the key bias [T], so
         # the mask costs a vector, not a matrix. DIRECT (one split): write the normalized output
         # token-major [B, H, HQ * D] for o_proj; else fp32 partials + log-sum-exp for _mqa_merge.
@@ -331,13 +298,13 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for t0 in tl.range(0, T_SPLIT, BLOCK_T, warp_specialize=WS):
+        for t0 in range(0, T_SPLIT, BLOCK_T):
             start = pid_s * T_SPLIT + t0
             k = _rows(k_src, b, start, T, kv_batch_stride, BLOCK_T, D, TMA)
             v = _rows(v_src, b, start, T, kv_batch_stride, BLOCK_T, D, TMA)
             ts = start + tl.arange(0, BLOCK_T)
             bias = tl.load(bias_ptr + b * T + ts, mask=ts < T, other=-3.0e38)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale, EXP2 or LAZY, LAZY)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2)
         if DIRECT:
             head, tok = qs // H, qs % H
             out = o_ptr + (b * H + tok[:, None]) * HQ * D + head[:, None] * D + d[None, :]
@@ -345,10 +312,7 @@ if triton is not None:
         else:
             out = o_ptr + ((b * SPLITS + pid_s) * NQ + qs[:, None]) * D + d[None, :]
             tl.store(out, acc / l_i[:, None], mask=qs[:, None] < NQ)
-            if EXP2 or LAZY:
-                lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-            else:
-                lse = m_i + tl.log(l_i)
+            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural units for the merge
             tl.store(lse_ptr + (b * SPLITS + pid_s) * NQ + qs, lse, mask=qs < NQ)
 
     @triton.jit
@@ -368,58 +332,6 @@ if triton is not None:
         head, tok = qs // H, qs % H
         out = out_ptr + ((b * H + tok) * HQ * D + head * D)[:, None] + d[None, :]
         tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _head_cols(base, rows, limit, stride, START: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr):
-        # Columns [START, START + WIDTH) of a head's D, for `rows` of a row-major matrix; zero past
-        # the head (col >= D) and past the rows (row >= limit).
-        cols = START + tl.arange(0, WIDTH)
-        return tl.load(base + rows[:, None] * stride + cols[None, :],
-                       mask=(rows[:, None] < limit) & (cols[None, :] < D), other=0.0)
-
-    @triton.jit
-    def _patch_attention(qkv_ptr, o_ptr, P, scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
-                         DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-        # SigLIP's attention for one image, one head and BLOCK_M of its P patches, read in place from
-        # the fused qkv rows [N * P, 3 * H * D] and written token-major [N * P, H * D] for out_proj.
-        # A head dim that is no power of two (So400m: 72) is two column blocks, DA (a power of two)
-        # and DB >= 16 (zero-padded), so the products waste 80 / 72, not 128 / 72. Scores in log2
-        # units (scale times log2 e).
-        pid_m, h, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        stride = 3 * H * D
-        q_base = qkv_ptr + n * P * stride + h * D
-        k_base, v_base = q_base + H * D, q_base + 2 * H * D
-        qs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _await_inputs(PDL)
-        q_a = _head_cols(q_base, qs, P, stride, 0, DA, D)
-        acc_a = tl.zeros((BLOCK_M, DA), dtype=tl.float32)
-        if DB > 0:
-            q_b = _head_cols(q_base, qs, P, stride, DA, DB, D)
-            acc_b = tl.zeros((BLOCK_M, DB), dtype=tl.float32)
-        m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for t0 in range(0, P, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
-            scores = tl.dot(q_a, tl.trans(_head_cols(k_base, ts, P, stride, 0, DA, D)))
-            if DB > 0:
-                scores += tl.dot(q_b, tl.trans(_head_cols(k_base, ts, P, stride, DA, DB, D)))
-            scores = scores * scale + tl.where(ts < P, 0.0, -3.0e38)[None, :]
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            pv = p.to(q_a.dtype)
-            acc_a = acc_a * alpha[:, None] + tl.dot(pv, _head_cols(v_base, ts, P, stride, 0, DA, D))
-            if DB > 0:
-                acc_b = acc_b * alpha[:, None] + tl.dot(pv, _head_cols(v_base, ts, P, stride, DA, DB, D))
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = o_ptr + (n * P + qs[:, None]) * (H * D) + h * D
-        cols = tl.arange(0, DA)
-        tl.store(out + cols[None, :], (acc_a / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qs[:, None] < P)
-        if DB > 0:
-            cols = DA + tl.arange(0, DB)
-            tl.store(out + cols[None, :], (acc_b / l_i[:, None]).to(o_ptr.dtype.element_ty),
-                     mask=(qs[:, None] < P) & (cols[None, :] < D))
 
 
 if triton is not None:
@@ -494,8 +406,6 @@ TUNING = {
     # (bench/rows_per_program.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
     # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
     "merge": {"rows": 2, "warps": 4},
-    # SigLIP's attention (16 heads of 72 over 256 patches an image).
-    "patch_attention": {"block_m": 64, "block_t": 64, "warps": 4, "stages": 2},
     # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU), and
     # from each batch size in "prefix_attention_batched" on. Run 71 (bench/attention_tma.py, one
     # layer at 864 tokens, us, TMA / pointer loads / SDPA-cuDNN): b1 29.4 / 34.1 / 54.8, b2 (128
@@ -529,8 +439,6 @@ TUNING = {
     "cublas_from_batch": {"qkv": 4, "gate_up": 4},
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
-    # The expert's GEMM kernels ask L2 for the next GEMM's weights as they start (prefetch_enabled).
-    "prefetch": None,
     # The attention's q/k/v tiles through TMA descriptors: None = where the GPU has them (sm90+),
     # else as given. Bit-identical to the pointer loads, and faster (runs 70-71).
     "tma": None,
@@ -547,14 +455,6 @@ def pdl_enabled() -> bool:
     if TUNING["pdl"] is not None:
         return bool(TUNING["pdl"])
     return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def prefetch_enabled() -> bool:
-    """Whether the expert's GEMM kernels ask L2 for the next GEMM's weights as they start: None =
-    on an NVIDIA GPU (an inline PTX prefetch; the interpreter has none), else as given."""
-    if TUNING["prefetch"] is not None:
-        return bool(TUNING["prefetch"])
-    return not interpreted() and torch.cuda.is_available() and torch.version.cuda is not None
 
 
 def tma_enabled() -> bool:
@@ -624,17 +524,8 @@ def _split_k(cfg: dict, block_r: int, n: int, k: int, rows: int, num_sms: int = 
     return splits
 
 
-def _prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor) -> dict:
-    """The kernel arguments that ask L2 for `prefetch` (the next GEMM's weights) as this kernel
-    starts; none where TUNING["prefetch"] is off or nothing is given."""
-    on = prefetch is not None and prefetch_enabled()
-    src = prefetch if on else fallback
-    return {"pf_ptr": src, "pf_numel": src.numel() if on else 0, "PREFETCH": on, "LINE": 128 // src.element_size()}
-
-
-def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]. `prefetch`: weights that the
-    next GEMM will read, asked of L2 meanwhile."""
+def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
     r, k = x2d.shape
     n = w.shape[0]
     cfg, block_r = _launch("splitk", r, n)
@@ -643,8 +534,8 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, prefetch: torch.Tensor |
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled()
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
-        x2d, w, out, R=r, N=n, K=k, K_SPLIT=k // splits, stride_x=x2d.stride(0), stride_w=w.stride(0),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, **_prefetch_args(prefetch, w),
+        x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
@@ -656,17 +547,16 @@ def supported(dims) -> bool:
             and dims.head_dim % 32 == 0)
 
 
-def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16 (`prefetch`: as in
-    splitk_partials)."""
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16."""
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
     cfg, block_r = _launch("geglu", r, m)
     pdl = pdl_enabled()
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
-        x2d, w_gate_up, out, R=r, M=m, K=k, stride_x=x2d.stride(0), stride_w=w_gate_up.stride(0),
-        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl, **_prefetch_args(prefetch, w_gate_up),
+        x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
@@ -687,9 +577,9 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
     return y
 
 
-def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float, prefetch=None) -> torch.Tensor:
+def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch.Tensor:
     """Expert: h += gate * (x @ w^T) in place (split-K); returns AdaRMS(h) [R, N]."""
-    return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w, prefetch), gate=gate, eps=eps)
+    return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w), gate=gate, eps=eps)
 
 
 def residual_layer_norm(h2d, weight, bias, eps: float, delta=None) -> torch.Tensor:
@@ -698,6 +588,13 @@ def residual_layer_norm(h2d, weight, bias, eps: float, delta=None) -> torch.Tens
     _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, n, eps,
                                           BLOCK=_pow2(n), HAS_DELTA=delta is not None, num_warps=4)
     return y
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) of a contiguous tensor, in place: SigLIP's MLP between fc1 and fc2."""
+    block = 2048
+    _gelu_flat[(triton.cdiv(x.numel(), block),)](x, x, x.numel(), BLOCK=block, num_warps=4)
+    return x
 
 
 def geglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -709,13 +606,11 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        prefetch=None) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
-    projection then runs as a split-K GEMM here; `prefetch` as in splitk_partials). cos/sin: [R, D / 2]
-    fp32, R = B * tokens.
+    projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
     """
     r = qkv.shape[0]
@@ -726,11 +621,9 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     if w_qkv is not None:
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
-        _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, R=r, K=qkv.shape[1], H=tokens,
-                             stride_x=qkv.stride(0), stride_w=w_qkv.stride(0), k_batch_stride=k_out.stride(0),
-                             q_batch_stride=q.stride(0), HQ=num_heads, HALF=d // 2,
+        _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
+                             w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
                              BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-                             **_prefetch_args(prefetch, w_qkv),
                              num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
@@ -771,38 +664,21 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
                _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
     launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
-    exp2, lazy, ws = cfg.get("exp2", False), cfg.get("lazy", False), cfg.get("ws", False)
-    launch.update(EXP2=exp2, LAZY=lazy, WS=ws)
-    scale = d**-0.5 * (1.4426950408889634 if exp2 or lazy else 1.0)
+    scale2 = d**-0.5 * 1.4426950408889634  # the softmax scale times log2 e
     if splits == 1:
-        _mqa_split[grid](*sources, bias, out, out, nq, tokens, t, t_split, scale,
+        _mqa_split[grid](*sources, bias, out, out, nq, tokens, t, t_split, scale2,
                          q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
                          D=d, DIRECT=True, TMA=tma, PDL=pdl, **launch)
         return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
-    _mqa_split[grid](*sources, bias, parts, lse, nq, tokens, t, t_split, scale,
+    _mqa_split[grid](*sources, bias, parts, lse, nq, tokens, t, t_split, scale2,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
                      D=d, DIRECT=False, TMA=tma, PDL=pdl, **launch)
     merge = TUNING["merge"]
     _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
                                                      ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],
                                                      **_pdl_launch(pdl))
-    return out
-
-
-def patch_attention(qkv: torch.Tensor, images: int, patches: int, num_heads: int, head_dim: int) -> torch.Tensor:
-    """SigLIP's attention: qkv [images * patches, 3 * num_heads * head_dim] (SigLIP's q | k | v, each
-    head-major) -> [images * patches, num_heads * head_dim], token-major for out_proj."""
-    cfg = TUNING["patch_attention"]
-    da = 1 << (head_dim.bit_length() - 1)  # the largest power of two <= head_dim
-    db = 0 if da == head_dim else max(16, _pow2(head_dim - da))
-    out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    pdl = pdl_enabled()
-    grid = (triton.cdiv(patches, cfg["block_m"]), num_heads, images)
-    _patch_attention[grid](qkv, out, patches, head_dim**-0.5 * 1.4426950408889634, H=num_heads, D=head_dim, DA=da,
-                           DB=db, BLOCK_M=cfg["block_m"], BLOCK_T=cfg["block_t"], PDL=pdl, num_warps=cfg["warps"],
-                           num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
 

@@ -122,7 +122,7 @@ class FastPi05:
             attn = self._vision_attention(F.linear(y, qkv_w, qkv_b), n, p)
             ln = lyr.layer_norm2
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, delta=lyr.self_attn.out_proj(attn))
-            mlp = lyr.mlp.fc2(F.gelu(lyr.mlp.fc1(y), approximate="tanh"))
+            mlp = lyr.mlp.fc2(kernels.gelu(lyr.mlp.fc1(y)))
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
@@ -253,34 +253,27 @@ class FastPi05:
         y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
         cublas = {family: kernels.through_cublas(family, b) for family in kernels.EXPERT_GEMMS}
 
-        def residual(family, x, w, gate, scale1p, shift, prefetch):  # h += gate * x @ w^T, then AdaRMS(h)
+        def residual(family, x, w, gate, scale1p, shift):  # h += gate * x @ w^T, then AdaRMS(h)
             if cublas[family]:
                 return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps)
-            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps, prefetch)
+            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps)
 
-        # Each GEMM kernel of ours asks L2 for the next GEMM's weights (the last layer's down: the
-        # first layer's qkv, which the next step reads first).
         for i, lw in enumerate(self.w.expert):
-            nxt = self.w.expert[(i + 1) % layers]
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
             if cublas["qkv"]:
                 q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
             else:
-                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv,
-                                                prefetch=lw.o)
+                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
             attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
                                          kernels.attention_config(b))
             y = residual("o", attn.view(b * horizon, -1), lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1],
-                         sched.shift[step, i, 1], lw.gate_up)
-            if cublas["gate_up"]:
-                act = kernels.geglu(F.linear(y, lw.gate_up))
-            else:
-                act = kernels.geglu_linear(y, lw.gate_up, prefetch=lw.down)
+                         sched.shift[step, i, 1])
+            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas["gate_up"] else kernels.geglu_linear(y, lw.gate_up)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
             else:
                 scale1p, shift = sched.final_scale1p[step], sched.final_shift[step]
-            y = residual("down", act, lw.down, sched.gate[step, i, 1], scale1p, shift, nxt.qkv)
+            y = residual("down", act, lw.down, sched.gate[step, i, 1], scale1p, shift)
         return y.view(b, horizon, width)
 
     def denoise(self, pad, noise, sched: TimeSchedule, k_cache, v_cache, rtc: "StaticRTC | None" = None):
