@@ -118,6 +118,32 @@ def padded() -> dict:
     return {f"{m}_{w}": v for (m, w), v in out.items()}
 
 
+def attention_backends() -> dict:
+    """SigLIP's attention (16 heads of 72 over 256 patches; 3 and 24 images) through each SDPA backend,
+    on q/k/v as the fast path hands them over (strided views of the fused qkv rows) and as contiguous
+    copies: us (do_bench), and max |diff| against the float32 attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for n in (3, 24):
+        qkv = torch.randn(n * 256, 3 * 16 * 72, device="cuda", dtype=torch.bfloat16)
+        views = qkv.view(n, 256, 3, 16, 72).permute(2, 0, 3, 1, 4).unbind(0)
+        dense = [t.contiguous() for t in views]
+        ref = F.scaled_dot_product_attention(*[t.float() for t in views], scale=72**-0.5)
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            for layout, args in (("views", views), ("contiguous", dense)):
+                key = f"{n}_{backend.name.lower()}_{layout}"
+                try:
+                    with sdpa_kernel(backend):
+                        fn = lambda: F.scaled_dot_product_attention(*args, scale=72**-0.5)  # noqa: E731
+                        out[key] = {"us": triton.testing.do_bench(fn) * 1e3,
+                                    "vs_fp32": float((fn().float() - ref).abs().max())}
+                except RuntimeError as exc:  # a backend that does not take these shapes
+                    out[key] = {"error": str(exc)[:160]}
+                print("attention", key, out[key], flush=True)
+    return out
+
+
 def end_to_end() -> dict:
     """The full-size fast path (random weights, graphs captured under each library preference):
     p50 per call at batch 1 and 8, stage times, and how far the two libraries' actions lie apart."""
@@ -183,7 +209,14 @@ def main() -> None:
     ap.add_argument("--end-to-end", action="store_true", help="also the whole fast path with either library")
     ap.add_argument("--patch-embedding", action="store_true", help="only the patch embedding: convolution vs GEMM")
     ap.add_argument("--padded", action="store_true", help="only fc1/fc2 with the MLP width padded, and the GELU")
+    ap.add_argument("--attention", action="store_true", help="only SigLIP's attention through each SDPA backend")
     args = ap.parse_args()
+    if args.attention:
+        result = {"device": torch.cuda.get_device_name(), "attention": attention_backends()}
+        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "vision_attention.json").write_text(json.dumps(result, indent=1))
+        return
     if args.padded:
         result = {"device": torch.cuda.get_device_name(), "padded": padded()}
         for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):

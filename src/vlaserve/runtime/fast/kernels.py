@@ -612,6 +612,7 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
     projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
+    num_heads 0: qkv holds only k and v (a layer whose queries are not needed).
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]

@@ -183,12 +183,14 @@ class FastPi05:
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
+        q_rows = dims.num_heads * dims.head_dim
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
+            if i == len(layers) - 1:  # the last layer's queries, attention and MLP feed nothing we use
+                kernels.qkv_rope_into_cache(F.linear(y, lw.qkv[q_rows:]), cos_half, sin_half, *kv, 0, plen)
+                break
             q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
-            if i == len(layers) - 1:
-                break  # the last layer's attention output and MLP feed nothing we use
             attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
             down = F.linear(kernels.geglu(F.linear(y, lw.gate_up)), lw.down)
