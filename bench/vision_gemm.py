@@ -211,24 +211,19 @@ def main() -> None:
     ap.add_argument("--padded", action="store_true", help="only fc1/fc2 with the MLP width padded, and the GELU")
     ap.add_argument("--attention", action="store_true", help="only SigLIP's attention through each SDPA backend")
     args = ap.parse_args()
-    if args.attention:
-        result = {"device": torch.cuda.get_device_name(), "attention": attention_backends()}
+
+    def save(name: str, result: dict) -> None:
         for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
             d.mkdir(parents=True, exist_ok=True)
-            (d / "vision_attention.json").write_text(json.dumps(result, indent=1))
-        return
-    if args.padded:
-        result = {"device": torch.cuda.get_device_name(), "padded": padded()}
-        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "vision_padded.json").write_text(json.dumps(result, indent=1))
-        return
-    if args.patch_embedding:
-        result = {"device": torch.cuda.get_device_name(), "patch_embedding": patch_embedding()}
-        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "patch_embedding.json").write_text(json.dumps(result, indent=1))
-        return
+            (d / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+    # The single-probe options: (flag, its result key and file name, the probe)
+    for flag, name, probe in ((args.attention, "vision_attention", attention_backends),
+                              (args.padded, "vision_padded", padded),
+                              (args.patch_embedding, "patch_embedding", patch_embedding)):
+        if flag:
+            save(name, {"device": torch.cuda.get_device_name(), name.removeprefix("vision_"): probe()})
+            return
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "shapes": []}
@@ -273,9 +268,7 @@ def main() -> None:
     print("per call (27 layers):", json.dumps(results["per_call_ms"]))
     if args.end_to_end:
         results["end_to_end"] = end_to_end()
-    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "vision_gemm.json").write_text(json.dumps(results, indent=1))
+    save("vision_gemm", results)
 
 
 if __name__ == "__main__":
