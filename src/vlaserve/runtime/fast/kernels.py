@@ -449,12 +449,17 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _hopper() -> bool:
+    """An NVIDIA GPU of compute capability 9 or later (PDL, TMA)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
 def pdl_enabled() -> bool:
     if gdc_wait is None:
         return False
     if TUNING["pdl"] is not None:
         return bool(TUNING["pdl"])
-    return not interpreted() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return not interpreted() and _hopper()
 
 
 def tma_enabled() -> bool:
@@ -464,7 +469,7 @@ def tma_enabled() -> bool:
         return False
     if TUNING["tma"] is not None:
         return bool(TUNING["tma"])
-    return interpreted() or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+    return interpreted() or _hopper()
 
 
 def _rows_descriptor(x: torch.Tensor, rows: int):
@@ -639,7 +644,7 @@ def attention_config(batch: int):
 
 
 def prefix_attention_config(batch: int):
-    """The prefix attention's launch config at this batch size (where it runs on ours)."""
+    """The prefix attention's launch config at this batch size."""
     return _by_batch("prefix_attention", batch)
 
 
