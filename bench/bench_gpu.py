@@ -151,8 +151,8 @@ class PowerSampler:
 
 def ceilings():
     """The bf16 GEMM ceiling twice: a short burst (10 products of 8192^3 at full clock) and
-    sustained (after 3 s of back-to-back products, at the power limit, where a batch-8 call's
-    GEMMs run), and the device-to-device copy rate."""
+    sustained (after 3 s of back-to-back products, at the power limit: the rate a batch-8 call made
+    only of GEMMs would hold), and the device-to-device copy rate."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     flop = 2 * 8192**3
@@ -495,7 +495,7 @@ def main():
     results["floor_ms_b1_default_bucket"] = math_floor_ms(flops_bucket, STEPS, results["ceilings"]["bf16_gemm_tflops"],
                                                           results["ceilings"]["copy_tbps"])
     results["floor_ms_b8_default_bucket"] = floor_ms_batched(flops_bucket, 8, STEPS, results["ceilings"])
-    # At the sustained (power-limited) GEMM rate: the floor a long batch-8 call can reach.
+    # At the sustained (power-limited) GEMM rate: the floor of a batch-8 call made only of GEMMs.
     results["floor_ms_b8_default_bucket_sustained"] = floor_ms_batched(flops_bucket, 8, STEPS,
                                                                        at_sustained(results["ceilings"]))
 

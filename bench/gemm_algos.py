@@ -1,7 +1,8 @@
 """The prefix's and SigLIP's GEMMs under every algorithm cuBLASLt's heuristic offers, and under
-sustained load. At batch 8 the prefix's cuBLAS GEMMs run at ~650 TFLOP/s in the served graph,
-against 707 at batch 1 and a ceiling of ~789 (8192^3, a short burst): is that the algorithm cuBLAS
-picks for M = 6912, or the H200 clocking down when it multiplies for tens of ms on end?
+sustained load. The bench's floors took the GEMM ceiling from a short burst (ten 8192^3 products);
+a fleet at batch 8 keeps the GPU multiplying for seconds. What rate does the H200 hold then (it
+lowers its clock to stay at its power limit), and does another cuBLAS algorithm do better than the
+one torch's F.linear gets, in a burst or at the limit? (Runs 86-88, docs/benchmarks.md.)
 
     python3 bench/gemm_algos.py [--algos 16] [--out DIR]
 
