@@ -22,6 +22,7 @@ from .model.pi05 import RTCGuidance, euler_times, rtc_guidance_weight, sinusoida
 # Bugs move these values by 1e-3 or more (golden README §3); independent float32
 # implementations agree to ~1e-6. 1e-5 sits between the two with margin on both sides.
 FLOAT_TOLERANCE = 1e-5
+FLOAT32_AGREEMENT = 1e-6
 
 
 @dataclass
@@ -169,6 +170,23 @@ def _compare_state_token(model, prefix, state, horizon: int, t: dict, delta, equ
     return ctx
 
 
+def tolerance(case: GoldenCase, name: str) -> float:
+    """FLOAT_TOLERANCE, except for RTC's guided velocity v_used = v - g * (prev - (x - t * v)) * w
+    (t, w <= 1, g <= the case's max guidance weight): its float32 error is up to (1 + g)|dv| + g|dx|,
+    i.e. (1 + 2 g_max) times the ~1e-6 at which float32 implementations agree: 2.1e-5 at g_max = 10,
+    where the velocity itself agrees to ~1e-6 (measured: 7.6e-6 for Pi0.5, 1.14e-5 for Pi0 on an AMD
+    EPYC). Twice that bound, 4.2e-5, stays under the 1e-4 the golden READMEs cap tolerances at (section
+    8) and 13x under the smallest bug they list (5.6e-4)."""
+    if name == "trace.v_guided":
+        return max(FLOAT_TOLERANCE, 2 * (1 + 2 * case.meta["rtc"]["max_guidance_weight"]) * FLOAT32_AGREEMENT)
+    return FLOAT_TOLERANCE
+
+
+def beyond_tolerance(case: GoldenCase, deltas: dict[str, float]) -> dict[str, float]:
+    """The float checks of compare_case that are further from the reference than their tolerance."""
+    return {name: d for name, d in deltas.items() if not d <= tolerance(case, name)}
+
+
 def case_dirs(golden_dir: Path) -> list[Path]:
     return sorted(p for p in (golden_dir / "cases").iterdir() if (p / "case.json").exists())
 
@@ -179,16 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     golden = Path(argv[0] if argv else "../shared/pi05_golden")
     policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
-    worst = 0.0
+    failed = False
     for case_dir in case_dirs(golden):
-        exact, deltas = compare_case(policy, GoldenCase.load(case_dir))
+        case = GoldenCase.load(case_dir)
+        exact, deltas = compare_case(policy, case)
         bad = [k for k, ok in exact.items() if not ok]
         print(f"## {case_dir.name}: exact checks {'all equal' if not bad else 'DIFFER: ' + ', '.join(bad)}")
         for name, d in deltas.items():
-            print(f"  {name:28s} {d:.3g}")
-            worst = max(worst, d)
-    print(f"worst max|Δ| = {worst:.3g} (tolerance {FLOAT_TOLERANCE:g})")
-    return 0 if worst <= FLOAT_TOLERANCE else 1
+            print(f"  {name:28s} {d:.3g} (tolerance {tolerance(case, name):g})")
+        failed |= bool(bad) or bool(beyond_tolerance(case, deltas))
+    print("every case within tolerance" if not failed else "SOME CASES DIFFER")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
