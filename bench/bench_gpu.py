@@ -653,11 +653,17 @@ def plot(results, out):
     if "lerobot" in results:
         ax.plot(batches, [results["lerobot"][b]["eager_bf16"]["p50_ms"] for b in batches], marker="s",
                 label="lerobot 0.6.1 eager bf16")
+    by_name = {str(b): b for b in batches}  # ints in the run, strings when re-plotted from its JSON
+    for b, key, color, label in ((1, "floor_ms_b1_default_bucket", "black", "floor, default bucket"),
+                                 (8, "floor_ms_b8_default_bucket", "black", None),
+                                 (8, "floor_ms_b8_default_bucket_sustained", "gray", "floor at the sustained GEMM rate")):
+        if results.get(key) and str(b) in by_name:
+            ax.scatter([by_name[str(b)]], [results[key]], marker="_", s=300, color=color, label=label, zorder=3)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("GPU time per call, p50 (ms)")
     ax.set_title(f"Pi0.5 ALOHA-3 on {results['gpu']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(True, which="both", alpha=0.3)
     for d in filter(None, [ROOT / "bench" / "results", Path(out) if out else None]):
         fig.savefig(d / "bench_gpu.png", dpi=120, bbox_inches="tight")
