@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,10 +121,13 @@ class PowerSampler:
         except Exception:  # NVML is a reading aid, not a requirement of the bench
             self._nvml = None
 
-    def read(self) -> tuple[float, float]:
+    def read(self) -> dict:
+        """One reading now: {sm_mhz, power_w}, or {} without NVML."""
+        if self._nvml is None:
+            return {}
         nvml = self._nvml
-        return (nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM),
-                nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3)
+        return {"sm_mhz": nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM),
+                "power_w": nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3}
 
     def _run(self):
         while not self._stop.is_set():
@@ -132,7 +136,6 @@ class PowerSampler:
 
     def __enter__(self):
         if self._nvml is not None:
-            import threading
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -143,10 +146,21 @@ class PowerSampler:
             self._stop.set()
             self._thread.join()
             if self._samples:
-                clocks, watts = zip(*self._samples)
+                clocks = [r["sm_mhz"] for r in self._samples]
                 self.result = {"sm_mhz_mean": statistics.mean(clocks), "sm_mhz_min": min(clocks),
-                               "power_w_mean": statistics.mean(watts), "samples": len(self._samples)}
+                               "power_w_mean": statistics.mean(r["power_w"] for r in self._samples),
+                               "samples": len(self._samples)}
         return False
+
+
+def hold(fn, seconds: float):
+    """Runs fn back to back for `seconds` (synchronizing every few calls): what follows is timed at
+    the clock the GPU holds under that load (at its power limit for GEMMs)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
 
 
 def ceilings():
@@ -159,11 +173,7 @@ def ceilings():
     torch.cuda.synchronize()
     time.sleep(2.0)  # start cool: the burst figure is the full-clock one
     t = time_cuda(lambda: a @ b, warmup=3, iters=10)["p50_ms"]
-    deadline = time.perf_counter() + 3.0
-    while time.perf_counter() < deadline:
-        for _ in range(20):
-            a @ b
-        torch.cuda.synchronize()
+    hold(lambda: a @ b, 3.0)
     with PowerSampler() as power:
         ts = time_cuda(lambda: a @ b, warmup=0, iters=20)["p50_ms"]
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench_gpu import PowerSampler, hold
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PREFIX = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (32768, 2048), "down": (2048, 16384)}  # (N, K)
@@ -158,17 +160,6 @@ def mean_us(fn, reps: int = 20, warmup: int = 3) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def nvml_reader():
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return lambda: {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                        "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3}
-    except Exception as error:  # NVML is a reading aid here, not a requirement
-        return lambda: {"nvml": repr(error)}
-
-
 def clocks(read) -> dict:
     out = {}
     for name, (m, n, k) in {"8192^3": (8192, 8192, 8192), "gate_up_b8": (6912, 32768, 2048)}.items():
@@ -181,11 +172,7 @@ def clocks(read) -> dict:
         time.sleep(2.0)
         burst = mean_us(run, reps=5, warmup=0)
         at_burst = read()
-        deadline = time.perf_counter() + 3.0
-        while time.perf_counter() < deadline:
-            for _ in range(20):
-                run()
-            torch.cuda.synchronize()
+        hold(run, 3.0)
         sustained = mean_us(run, reps=10, warmup=0)
         at_sustained = read()
         out[name] = {"burst_us": burst, "burst_tflops": flop / burst / 1e6, "burst_nvml": at_burst,
@@ -239,9 +226,10 @@ def algorithms(lt: CublasLt, count: int) -> dict:
 
 def sustained(lt: CublasLt, read, count: int, seconds: float) -> dict:
     """The batch-8 prefix's two largest GEMMs, each candidate (torch's F.linear, then every heuristic
-    algorithm) run back to back for `seconds` before it is timed: all at the power limit, where the
-    served batch-8 graph runs them. (A burst comparison depends on how hot the GPU is from the last
-    shape: the algorithms part above does not control that.)"""
+    algorithm) run back to back for `seconds` before it is timed: all at the power limit, where a
+    call made only of GEMMs would run them (a served batch-8 call is there only in part). A burst
+    comparison depends on how hot the GPU is from the last shape: the algorithms part does not
+    control that."""
     out = {}
     for name in ("gate_up", "down"):
         n, k = PREFIX[name]
@@ -255,11 +243,7 @@ def sustained(lt: CublasLt, read, count: int, seconds: float) -> dict:
         candidates += [(f"algo{i}", (lambda h: lambda: lt.linear(plan, h, x, w, y))(h)) for i, h in enumerate(plan["algos"])]
         rows = []
         for label, run in candidates:
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline:
-                for _ in range(10):
-                    run()
-                torch.cuda.synchronize()
+            hold(run, seconds)
             us = mean_us(run, reps=10, warmup=0)
             rows.append({"candidate": label, "us": us, "tflops": flop / us / 1e6, **read()})
             print(f"sustained {name}_b8 {label:6s} {us:8.1f} us ({flop / us / 1e6:4.0f} TF/s) {rows[-1]}", flush=True)
@@ -320,7 +304,7 @@ def main():
                         help="per candidate in the sustained comparison (0: skip it)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    read = nvml_reader()
+    read = PowerSampler().read
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not args.skip_clocks:
         result["clocks"] = clocks(read)
