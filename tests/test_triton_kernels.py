@@ -27,6 +27,7 @@ from vlaserve.runtime.fast.model import FastPi05, StaticRTC
 
 assert kernels.available() and kernels.interpreted()
 kernels.TUNING["tma"] = json.loads(sys.argv[2])  # the attention's loads: null = TMA (as on Hopper), false = pointers
+kernels.TUNING.update(json.loads(sys.argv[3]))  # other entries of the table, replaced whole
 gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
 cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
 torch.manual_seed(0)
@@ -78,10 +79,19 @@ print(json.dumps(report))
 # Batch 1, 2, 4 and 8 take each launch-config regime of kernels.TUNING in turn: single row tiles;
 # the 65-, 200- and 400-row tables of the batched GEMMs; the attention configs of batch 1, 4 and 8;
 # the prefix attention's configs of batch 1 and from 2 on; and batch 2 once more with the attention's
-# tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper).
-@pytest.mark.parametrize("batch, tma", [(1, None), (2, None), (4, None), (8, None), (2, False)])
-def test_triton_kernels_match_stock_kernels(batch, tma):
-    report = interpreted_report(SCRIPT, str(batch), json.dumps(tma), timeout=1800)
+# tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper); and batch 1 with
+# every expert GEMM as split-K partial sums whose weights load before the PDL wait (one K tile per
+# program): RoPE and GeGLU in the passes that reduce the partials, or in the last program of each
+# column tile (two K tiles here: the expert's width is 256).
+PRELOAD = {"block_r": 64, "block_n": 32, "block_k": 128, "preload": True, "warps": 4, "stages": 1}
+PRELOADED = {"splitk": PRELOAD, "splitk_epilogue": ["qkv", "gate_up"]}
+PRELOADED_FUSED = {"splitk": PRELOAD, "geglu": PRELOAD, "qkv": {**PRELOAD, "block_n": 16}}
+
+
+@pytest.mark.parametrize("batch, tma, tuning", [(1, None, {}), (2, None, {}), (4, None, {}), (8, None, {}),
+                                                (2, False, {}), (1, None, PRELOADED), (1, None, PRELOADED_FUSED)])
+def test_triton_kernels_match_stock_kernels(batch, tma, tuning):
+    report = interpreted_report(SCRIPT, str(batch), json.dumps(tma), json.dumps(tuning), timeout=1800)
     for name, r in report.items():
         # Triton and stock kernels round at the same points (fp16 here) and sum in other orders:
         # they may differ by what fp16 rounding alone does to the answer, which the stock path's
@@ -121,6 +131,33 @@ def test_expert_gemm_families_through_cublas_follow_their_table():
     assert kernels.through_cublas("qkv", 4) and not kernels.through_cublas("qkv", 3)
     with pytest.raises(KeyError):
         kernels.through_cublas("lm_head", 8)
+
+
+def test_a_preloaded_fused_gemm_asks_for_its_counters(monkeypatch):
+    # Its last-arriving programs count through caller-owned counters: none given is an error, not
+    # a silent allocation inside a CUDA graph.
+    import torch
+
+    from vlaserve.runtime.fast import kernels
+
+    monkeypatch.setitem(kernels.TUNING, "geglu", PRELOAD)
+    x, w = torch.zeros(50, 256, dtype=torch.float16), torch.zeros(1024, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="counters"):
+        kernels.geglu_linear(x, w)
+    with pytest.raises(ValueError, match="counters"):
+        kernels.geglu_linear(x, w, torch.zeros(4, dtype=torch.int32))  # 16 column tiles
+
+
+def test_expert_gemm_paths_follow_their_tables(monkeypatch):
+    # o and down are split-K wherever they are not on cuBLAS; qkv and gate_up carry their epilogue
+    # in the GEMM unless "splitk_epilogue" names them, and go to cuBLAS from their batch size on.
+    from vlaserve.runtime.fast import kernels
+
+    assert [kernels.expert_gemm_path(f, 1) for f in kernels.EXPERT_GEMMS] == ["fused", "splitk", "fused", "splitk"]
+    assert [kernels.expert_gemm_path(f, 8) for f in kernels.EXPERT_GEMMS] == ["cublas", "splitk", "cublas", "splitk"]
+    monkeypatch.setitem(kernels.TUNING, "splitk_epilogue", ("gate_up",))
+    assert [kernels.expert_gemm_path(f, 1) for f in kernels.EXPERT_GEMMS] == ["fused", "splitk", "splitk", "splitk"]
+    assert kernels.expert_gemm_path("gate_up", 4) == "cublas"
 
 
 ATTENTION_INPUTS = r'''
