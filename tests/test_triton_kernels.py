@@ -79,17 +79,17 @@ print(json.dumps(report))
 # Batch 1, 2, 4 and 8 take each launch-config regime of kernels.TUNING in turn: single row tiles;
 # the 65-, 200- and 400-row tables of the batched GEMMs; the attention configs of batch 1, 4 and 8;
 # the prefix attention's configs of batch 1 and from 2 on; and batch 2 once more with the attention's
-# tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper); and batch 1 with
-# every expert GEMM as split-K partial sums whose weights load before the PDL wait (one K tile per
-# program): RoPE and GeGLU in the passes that reduce the partials, or in the last program of each
-# column tile (two K tiles here: the expert's width is 256).
-PRELOAD = {"block_r": 64, "block_n": 32, "block_k": 128, "preload": True, "warps": 4, "stages": 1}
-PRELOADED = {"splitk": PRELOAD, "splitk_epilogue": ["qkv", "gate_up"]}
-PRELOADED_FUSED = {"splitk": PRELOAD, "geglu": PRELOAD, "qkv": {**PRELOAD, "block_n": 16}}
+# tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper); and batch 1 with every
+# expert GEMM's weights read before the PDL wait: 1, 2 and 4 K tiles a program (the expert's width is
+# 256 here; a sliver of a wave keeps split-K at one split, so that o reads 2 tiles and down 4).
+PRELOADED = {"splitk": {"block_r": 64, "block_n": 32, "block_k": 128, "max_waves": 0.1, "warps": 4, "stages": 2,
+                        "preload": True},
+             "geglu": {"block_r": 64, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2, "preload": True},
+             "qkv": {"block_r": 64, "block_n": 16, "block_k": 256, "warps": 4, "stages": 2, "preload": True}}
 
 
 @pytest.mark.parametrize("batch, tma, tuning", [(1, None, {}), (2, None, {}), (4, None, {}), (8, None, {}),
-                                                (2, False, {}), (1, None, PRELOADED), (1, None, PRELOADED_FUSED)])
+                                                (2, False, {}), (1, None, PRELOADED)])
 def test_triton_kernels_match_stock_kernels(batch, tma, tuning):
     report = interpreted_report(SCRIPT, str(batch), json.dumps(tma), json.dumps(tuning), timeout=1800)
     for name, r in report.items():
@@ -133,31 +133,17 @@ def test_expert_gemm_families_through_cublas_follow_their_table():
         kernels.through_cublas("lm_head", 8)
 
 
-def test_a_preloaded_fused_gemm_asks_for_its_counters(monkeypatch):
-    # Its last-arriving programs count through caller-owned counters: none given is an error, not
-    # a silent allocation inside a CUDA graph.
-    import torch
-
+def test_a_preload_config_takes_whole_tiles_of_at_most_four(monkeypatch):
+    # Its weight tiles are held in registers across the wait: 1, 2 or 4 whole K tiles a program, whole
+    # column tiles; anything else is refused before a launch, not silently run another way.
     from vlaserve.runtime.fast import kernels
 
-    monkeypatch.setitem(kernels.TUNING, "geglu", PRELOAD)
-    x, w = torch.zeros(50, 256, dtype=torch.float16), torch.zeros(1024, 256, dtype=torch.float16)
-    with pytest.raises(ValueError, match="counters"):
-        kernels.geglu_linear(x, w)
-    with pytest.raises(ValueError, match="counters"):
-        kernels.geglu_linear(x, w, torch.zeros(4, dtype=torch.int32))  # 16 column tiles
-
-
-def test_expert_gemm_paths_follow_their_tables(monkeypatch):
-    # o and down are split-K wherever they are not on cuBLAS; qkv and gate_up carry their epilogue
-    # in the GEMM unless "splitk_epilogue" names them, and go to cuBLAS from their batch size on.
-    from vlaserve.runtime.fast import kernels
-
-    assert [kernels.expert_gemm_path(f, 1) for f in kernels.EXPERT_GEMMS] == ["fused", "splitk", "fused", "splitk"]
-    assert [kernels.expert_gemm_path(f, 8) for f in kernels.EXPERT_GEMMS] == ["cublas", "splitk", "cublas", "splitk"]
-    monkeypatch.setitem(kernels.TUNING, "splitk_epilogue", ("gate_up",))
-    assert [kernels.expert_gemm_path(f, 1) for f in kernels.EXPERT_GEMMS] == ["fused", "splitk", "splitk", "splitk"]
-    assert kernels.expert_gemm_path("gate_up", 4) == "cublas"
+    cfg = {"block_n": 32, "block_k": 256, "preload": True}
+    assert [kernels._chunks(cfg, k, 1024) for k in (256, 512, 1024)] == [1, 2, 4]
+    assert kernels._chunks({**cfg, "preload": False}, 4096, 1024) == 0
+    for k, n in ((768, 1024), (2048, 1024), (384, 1024), (1024, 1000)):
+        with pytest.raises(ValueError, match="preload"):
+            kernels._chunks(cfg, k, n)
 
 
 ATTENTION_INPUTS = r'''

@@ -68,21 +68,90 @@ if triton is not None:
         return 0.5 * g * (1.0 + t)
 
     @triton.jit
+    def _weight_chunks(w_ptr, cols, k0, stride_w, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """w[cols, k0 : k0 + CHUNKS * BLOCK_K] as up to four [cols, BLOCK_K] register tiles (the
+        unused ones are chunk 0 again, never read): loaded at once, all in flight together."""
+        ks = k0 + tl.arange(0, BLOCK_K)
+        base = w_ptr + cols[:, None] * stride_w + ks[None, :]
+        w0 = tl.load(base)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if CHUNKS > 1:
+            w1 = tl.load(base + BLOCK_K)
+        if CHUNKS > 2:
+            w2 = tl.load(base + 2 * BLOCK_K)
+            w3 = tl.load(base + 3 * BLOCK_K)
+        return w0, w1, w2, w3
+
+    @triton.jit
+    def _weight_chunks_tma(w_desc, col0, k0, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_weight_chunks` through a TMA descriptor of [BLOCK_N, BLOCK_K] boxes: the copy engine
+        writes the tiles into shared memory, not registers."""
+        w0 = w_desc.load([col0, k0])
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if CHUNKS > 1:
+            w1 = w_desc.load([col0, k0 + BLOCK_K])
+        if CHUNKS > 2:
+            w2 = w_desc.load([col0, k0 + 2 * BLOCK_K])
+            w3 = w_desc.load([col0, k0 + 3 * BLOCK_K])
+        return w0, w1, w2, w3
+
+    @triton.jit
+    def _dot_chunks(x_ptr, rows, k0, R, stride_x, w0, w1, w2, w3, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x[rows, k0 : k0 + CHUNKS * BLOCK_K] @ the chunks^T in fp32, chunk by chunk in K order
+        (the sums of the looped kernels with the same BLOCK_K)."""
+        live = rows[:, None] < R
+        xs = x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :]
+        acc = tl.dot(tl.load(xs, mask=live, other=0.0), tl.trans(w0))
+        if CHUNKS > 1:
+            acc = tl.dot(tl.load(xs + BLOCK_K, mask=live, other=0.0), tl.trans(w1), acc)
+        if CHUNKS > 2:
+            acc = tl.dot(tl.load(xs + 2 * BLOCK_K, mask=live, other=0.0), tl.trans(w2), acc)
+            acc = tl.dot(tl.load(xs + 3 * BLOCK_K, mask=live, other=0.0), tl.trans(w3), acc)
+        return acc
+
+    @triton.jit
+    def _dot_chunks_pair(x_ptr, rows, R, stride_x, a0, a1, a2, a3, b0, b1, b2, b3, CHUNKS: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """`_dot_chunks` for two weight slices (from K = 0), each x chunk loaded once for both."""
+        live = rows[:, None] < R
+        xs = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(xs, mask=live, other=0.0)
+        acc_a = tl.dot(x, tl.trans(a0))
+        acc_b = tl.dot(x, tl.trans(b0))
+        if CHUNKS > 1:
+            x = tl.load(xs + BLOCK_K, mask=live, other=0.0)
+            acc_a = tl.dot(x, tl.trans(a1), acc_a)
+            acc_b = tl.dot(x, tl.trans(b1), acc_b)
+        if CHUNKS > 2:
+            x = tl.load(xs + 2 * BLOCK_K, mask=live, other=0.0)
+            acc_a = tl.dot(x, tl.trans(a2), acc_a)
+            acc_b = tl.dot(x, tl.trans(b2), acc_b)
+            x = tl.load(xs + 3 * BLOCK_K, mask=live, other=0.0)
+            acc_a = tl.dot(x, tl.trans(a3), acc_a)
+            acc_b = tl.dot(x, tl.trans(b3), acc_b)
+        return acc_a, acc_b
+
+    @triton.jit
     def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                     W_TMA: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PRELOAD:
-            # One K tile per program (K_SPLIT == BLOCK_K), so there is no loop to pipeline: its
-            # weights (which no kernel writes) are loaded before the wait, while the previous
-            # kernel still runs; only x, that kernel's output, waits for it.
-            ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
+        if CHUNKS > 0:
+            # The program's whole weight slice (K_SPLIT = CHUNKS * BLOCK_K; N a multiple of
+            # BLOCK_N) is read before the wait, while the previous kernel runs: no kernel writes
+            # weights. Only x, that kernel's output, waits for it. (W_TMA: w_ptr is a descriptor.)
+            if W_TMA:
+                w0, w1, w2, w3 = _weight_chunks_tma(w_ptr, pid_n * BLOCK_N, pid_k * K_SPLIT, CHUNKS, BLOCK_K)
+            else:
+                w0, w1, w2, w3 = _weight_chunks(w_ptr, cols, pid_k * K_SPLIT, stride_w, CHUNKS, BLOCK_K)
             _await_inputs(PDL)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-            acc = tl.dot(x, tl.trans(w))
+            acc = _dot_chunks(x_ptr, rows, pid_k * K_SPLIT, R, stride_x, w0, w1, w2, w3, CHUNKS, BLOCK_K)
         else:
             _await_inputs(PDL)
             acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -97,95 +166,42 @@ if triton is not None:
     @triton.jit
     def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
                                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PDL: tl.constexpr):
+                                CHUNKS: tl.constexpr, PDL: tl.constexpr):
         """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
-        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs)."""
-        _await_inputs(PDL)
-        acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-            w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
-            w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
-            acc_a += tl.dot(x, tl.trans(w_a))
-            acc_b += tl.dot(x, tl.trans(w_b))
+        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs).
+        CHUNKS > 0 (K = CHUNKS * BLOCK_K): both weight slices are read before the wait."""
+        if CHUNKS > 0:
+            a0, a1, a2, a3 = _weight_chunks(w_ptr, cols, 0, stride_w, CHUNKS, BLOCK_K)
+            b0, b1, b2, b3 = _weight_chunks(w_ptr, cols + offset, 0, stride_w, CHUNKS, BLOCK_K)
+            _await_inputs(PDL)
+            acc_a, acc_b = _dot_chunks_pair(x_ptr, rows, R, stride_x, a0, a1, a2, a3, b0, b1, b2, b3, CHUNKS, BLOCK_K)
+        else:
+            _await_inputs(PDL)
+            acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
+                w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
+                w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
+                acc_a += tl.dot(x, tl.trans(w_a))
+                acc_b += tl.dot(x, tl.trans(w_b))
         return acc_a, acc_b
 
     @triton.jit
     def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                    PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
-                                               BLOCK_R, BLOCK_N, BLOCK_K, PDL)
-        _geglu_store(acc_g, acc_u, o_ptr, rows, cols, R, M)
-
-    @triton.jit
-    def _geglu_store(acc_g, acc_u, o_ptr, rows, cols, R, M):
+                                               BLOCK_R, BLOCK_N, BLOCK_K, CHUNKS, PDL)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
         act = gelu_tanh(g).to(o_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(o_ptr + rows[:, None] * M + cols[None, :], act.to(o_ptr.dtype.element_ty), mask=rows[:, None] < R)
-
-    @triton.jit
-    def _two_column_tiles_preloaded(x_ptr, w_ptr, p_ptr, rows, cols, offset, pid_k, R, N, stride_x, stride_w,
-                                    BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
-        """K tile `pid_k` of x[rows] @ w[cols]^T and of x[rows] @ w[cols + offset]^T, stored as fp32
-        partial sums into p [splits, R, N] at those columns. The weights (written by no kernel) are
-        loaded before the wait, while the previous kernel still runs; only x waits for it."""
-        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        if not PRELOAD:
-            _await_inputs(PDL)
-        w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
-        w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
-        if PRELOAD:
-            _await_inputs(PDL)
-        live = rows[:, None] < R
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=live, other=0.0)
-        out = p_ptr + pid_k * R * N + rows[:, None] * N + cols[None, :]
-        tl.store(out, tl.dot(x, tl.trans(w_a)), mask=live)
-        tl.store(out + offset, tl.dot(x, tl.trans(w_b)), mask=live)
-
-    @triton.jit
-    def _last_of_splits(ctr_ptr, tile, SPLITS: tl.constexpr):
-        """Called by each of a column tile's SPLITS programs once its partial sums are stored: true
-        in the one that arrives last (which then resets the tile's counter for the next kernel).
-        That program reads every partial back in split order (`_sum_splits`), so the result does
-        not depend on which one it is; only the counter is atomic, never a sum."""
-        tl.debug_barrier()  # every thread's stores issued before the release below
-        arrived = tl.atomic_add(ctr_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLITS - 1
-        if last:
-            tl.store(ctr_ptr + tile, 0)
-        return last
-
-    @triton.jit
-    def _sum_splits(p_ptr, rows, cols, R, N, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Other programs' partials: read through L2 (.cg), never a stale L1 line.
-        acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLITS):
-            acc += tl.load(p_ptr + s * R * N + rows[:, None] * N + cols[None, :], mask=rows[:, None] < R, other=0.0,
-                           cache_modifier=".cg")
-        return acc
-
-    @triton.jit
-    def _geglu_gemm_preloaded(x_ptr, w_ptr, p_ptr, o_ptr, ctr_ptr, R, M, stride_x, stride_w, SPLITS: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PRELOAD: tl.constexpr, PDL: tl.constexpr):
-        # Program (column tile, K tile): gate and up partial sums of one K tile; the column tile's
-        # last program sums them (in split order) and applies the GeGLU. One row tile (batch 1).
-        pid, pid_k = tl.program_id(0), tl.program_id(1)
-        rows = tl.arange(0, BLOCK_R)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        _two_column_tiles_preloaded(x_ptr, w_ptr, p_ptr, rows, cols, M, pid_k, R, 2 * M, stride_x, stride_w,
-                                    BLOCK_K, PRELOAD, PDL)
-        if _last_of_splits(ctr_ptr, pid, SPLITS):
-            g = _sum_splits(p_ptr, rows, cols, R, 2 * M, SPLITS, BLOCK_R, BLOCK_N)
-            u = _sum_splits(p_ptr, rows, cols + M, R, 2 * M, SPLITS, BLOCK_R, BLOCK_N)
-            _geglu_store(g, u, o_ptr, rows, cols, R, M)
 
     @triton.jit
     def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, R, eps,
@@ -241,28 +257,21 @@ if triton is not None:
         tl.store(y_ptr + offs, gelu_tanh(x).to(y_ptr.dtype.element_ty), mask=offs < n)
 
     @triton.jit
-    def _geglu_rows(x_ptr, y_ptr, R, M, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # x [R, 2M] = [gate | up] (or SPLITS fp32 partial sums of it, [SPLITS, R, 2M]) -> y [R, M] =
-        # gelu_tanh(gate) * up, rounding as the eager path (gate and up are bf16 before the GeGLU).
+    def _geglu_rows(x_ptr, y_ptr, M, BLOCK: tl.constexpr):
+        # x [R, 2M] = [gate | up] -> y [R, M] = gelu_tanh(gate) * up, rounding as the eager path.
         row, pid = tl.program_id(0), tl.program_id(1)
         cols = pid * BLOCK + tl.arange(0, BLOCK)
         mask = cols < M
-        _await_inputs(PDL)
-        g = tl.zeros((BLOCK,), dtype=tl.float32)
-        u = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLITS):
-            base = x_ptr + (s * R + row) * 2 * M + cols
-            g += tl.load(base, mask=mask, other=0.0).to(tl.float32)
-            u += tl.load(base + M, mask=mask, other=0.0).to(tl.float32)
-        g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(y_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(x_ptr + row * 2 * M + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
         act = gelu_tanh(g).to(y_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
                        k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                       PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
         # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
         pid = tl.program_id(0)
@@ -272,15 +281,7 @@ if triton is not None:
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
-                                                 BLOCK_R, BLOCK_N, BLOCK_K, PDL)
-        _rope_scatter(acc_lo, acc_hi, rows, d, slot, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, k_batch_stride,
-                      q_batch_stride, HQ, HALF)
-
-    @triton.jit
-    def _rope_scatter(acc_lo, acc_hi, rows, d, slot, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, k_batch_stride,
-                      q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr):
-        # The pairs (d, d + HALF) of head slot `slot` (q heads, then k, then v) for `rows`: bf16,
-        # RoPE on q and k (the eager path's rounding points), then into q or the K/V cache.
+                                                 BLOCK_R, BLOCK_N, BLOCK_K, CHUNKS, PDL)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
         hi = acc_hi.to(dt).to(tl.float32)
@@ -300,28 +301,6 @@ if triton is not None:
             base = v_ptr + b[:, None] * k_batch_stride + tok[:, None] * 2 * HALF + d[None, :]
         tl.store(base, lo.to(dt), mask=live)
         tl.store(base + HALF, hi.to(dt), mask=live)
-
-    @triton.jit
-    def _qkv_rope_gemm_preloaded(x_ptr, w_ptr, p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, ctr_ptr, R, H, stride_x,
-                                 stride_w, k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                                 SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
-        # `_qkv_rope_gemm` as (column tile, K tile) programs: partial sums of one K tile each, and
-        # the column tile's last program sums them (in split order) and applies RoPE and the scatter.
-        pid, pid_k = tl.program_id(0), tl.program_id(1)
-        per_head = HALF // BLOCK_N
-        slot, j = pid // per_head, pid % per_head
-        d = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = slot * 2 * HALF + d
-        rows = tl.arange(0, BLOCK_R)
-        n = (HQ + 2) * 2 * HALF
-        _two_column_tiles_preloaded(x_ptr, w_ptr, p_ptr, rows, cols, HALF, pid_k, R, n, stride_x, stride_w,
-                                    BLOCK_K, PRELOAD, PDL)
-        if _last_of_splits(ctr_ptr, pid, SPLITS):
-            lo = _sum_splits(p_ptr, rows, cols, R, n, SPLITS, BLOCK_R, BLOCK_N)
-            hi = _sum_splits(p_ptr, rows, cols + HALF, R, n, SPLITS, BLOCK_R, BLOCK_N)
-            _rope_scatter(lo, hi, rows, d, slot, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, k_batch_stride,
-                          q_batch_stride, HQ, HALF)
 
     @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
@@ -547,10 +526,6 @@ TUNING = {
     # 10.88 -> 10.41 ms at batch 4 and 14.63 -> 14.03 at 8; at 2 a tie (8.68 vs 8.64), at 1 ours
     # win (all four through cuBLAS: 6.81 -> 8.94); o and down through cuBLAS buy < 0.1 ms at 8.
     "cublas_from_batch": {"qkv": 4, "gate_up": 4},
-    # Of the two expert GEMMs that carry their epilogue in the GEMM kernel (qkv + RoPE, gate_up +
-    # GeGLU), those that run instead as split-K partial sums and a pass that reduces them and
-    # applies the epilogue (as o and down always do, where they are not on cuBLAS).
-    "splitk_epilogue": (),
     # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
     "pdl": None,
     # The attention's q/k/v tiles through TMA descriptors: None = where the GPU has them (sm90+),
@@ -607,16 +582,6 @@ def through_cublas(family: str, batch: int) -> bool:
     return start is not None and batch >= start
 
 
-def expert_gemm_path(family: str, batch: int) -> str:
-    """How the expert's `family` GEMM (one of EXPERT_GEMMS) runs at this batch size: "cublas"
-    (F.linear, then our kernel for what follows it), "splitk" (`splitk_partials`, then the kernel
-    that reduces the partials and applies what follows) or "fused" (qkv and gate_up: one kernel,
-    RoPE or GeGLU in its epilogue)."""
-    if through_cublas(family, batch):
-        return "cublas"
-    return "splitk" if family in ("o", "down") or family in TUNING["splitk_epilogue"] else "fused"
-
-
 def batched_config(rows: int) -> dict:
     """The batched GEMM configs for `rows` rows: the entry with the largest start <= rows (or the
     first entry)."""
@@ -659,17 +624,28 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     cfg, block_r = _launch("splitk", r, n)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    # "preload" in cfg: one K tile per program, its weights loaded before the wait (True) or after
-    # it (False: the same grid, the control of bench/splitk_preload.py --control)
-    preload = bool(cfg.get("preload"))
-    splits = k // block_k if "preload" in cfg else _split_k(cfg, block_r, n, k, r)
+    splits = _split_k(cfg, block_r, n, k, r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled()
+    w_tma = cfg.get("preload") == "tma"  # the preloaded weight tiles through the copy engine
+    w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]) if w_tma else w
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
-        x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PRELOAD=preload, PDL=pdl,
+        x2d, w_arg, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, CHUNKS=_chunks(cfg, k // splits, n), W_TMA=w_tma, PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
+
+
+def _chunks(cfg: dict, k: int, n: int) -> int:
+    """CHUNKS of a GEMM kernel whose program covers K range `k`: with "preload", its K tiles (all
+    read before the PDL wait; at most 4), else 0 (the pipelined loop, weights after the wait)."""
+    if not cfg.get("preload"):
+        return 0
+    chunks, rest = divmod(k, cfg["block_k"])
+    if rest or not 1 <= chunks <= 4 or chunks == 3 or n % cfg["block_n"]:
+        raise ValueError(f"a preload config needs 1, 2 or 4 whole K tiles a program and whole column tiles: "
+                         f"K range {k}, N {n}, config {cfg}")
+    return chunks
 
 
 def supported(dims) -> bool:
@@ -679,41 +655,16 @@ def supported(dims) -> bool:
             and dims.head_dim % 32 == 0)
 
 
-# Column-tile counters of the preloaded GEMMs (`_last_of_splits`): at least this many int32 zeros,
-# owned by the caller (FastPi05), which must run its kernels in stream order (they share them).
-TILE_COUNTERS = 1024
-
-
-def tile_counters(device) -> torch.Tensor:
-    return torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-
-
-def _counters_for(counters: torch.Tensor | None, tiles: int) -> torch.Tensor:
-    if counters is None or counters.dtype != torch.int32 or counters.numel() < tiles:
-        raise ValueError(f"a preloaded GEMM config needs `counters`: {tiles} or more int32 zeros "
-                         "(kernels.tile_counters)")
-    return counters
-
-
-def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16. A "preload"
-    config (one row tile) takes `counters` (`tile_counters`)."""
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16."""
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
     cfg, block_r = _launch("geglu", r, m)
     pdl = pdl_enabled()
-    if "preload" in cfg:
-        splits, tiles = k // cfg["block_k"], m // cfg["block_n"]
-        partials = torch.empty(splits, r, 2 * m, dtype=torch.float32, device=x2d.device)
-        _geglu_gemm_preloaded[(tiles, splits)](
-            x2d, w_gate_up, partials, out, _counters_for(counters, tiles), r, m, x2d.stride(0), w_gate_up.stride(0),
-            SPLITS=splits, BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PRELOAD=bool(cfg["preload"]),
-            PDL=pdl, num_warps=cfg["warps"], num_stages=1, **_pdl_launch(pdl))
-        return out
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
-        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], CHUNKS=_chunks(cfg, k, m), PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
@@ -754,55 +705,38 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def geglu(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """gelu_tanh(gate) * up of gate_up [R, 2M] = [gate | up], or of fp32 split-K partial sums of it
-    ([S, R, 2M], from `splitk_partials`; the result then in `dtype`) -> [R, M]."""
-    partials = gate_up.dim() == 3
-    splits, r, two_m = gate_up.shape if partials else (1, *gate_up.shape)
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    r, two_m = gate_up.shape
     m = two_m // 2
-    out = torch.empty(r, m, dtype=dtype if partials else gate_up.dtype, device=gate_up.device)
+    out = torch.empty(r, m, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    pdl = pdl_enabled() and partials  # the partials come from one of our PDL kernels
-    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, r, m, SPLITS=splits, BLOCK=block, PDL=pdl, num_warps=4,
-                                            **_pdl_launch(pdl))
+    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, num_warps=4)
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        counters: torch.Tensor | None = None) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
-    qkv: the projection output [R, (num_heads + 2) D], or its fp32 split-K partial sums [S, R,
-    (num_heads + 2) D] (`splitk_partials`), or, with `w_qkv`, its input (the projection then runs
-    in this kernel, RoPE in its epilogue). cos/sin: [R, D / 2] fp32, R = B * tokens.
+    qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
+    projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
-    num_heads 0: qkv holds only k and v (a layer whose queries are not needed). A "preload" config
-    (one row tile, with `w_qkv`) takes `counters` (`tile_counters`).
+    num_heads 0: qkv holds only k and v (a layer whose queries are not needed).
     """
-    splits, r = (qkv.shape[0], qkv.shape[1]) if qkv.dim() == 3 else (1, qkv.shape[0])
+    r = qkv.shape[0]
     d = k_out.shape[-1]
     b = r // tokens
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
     pdl = pdl_enabled()
     if w_qkv is not None:
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
-        tiles = (num_heads + 2) * (d // 2 // cfg["block_n"])
-        if "preload" in cfg:
-            splits = qkv.shape[1] // cfg["block_k"]
-            partials = torch.empty(splits, r, (num_heads + 2) * d, dtype=torch.float32, device=qkv.device)
-            _qkv_rope_gemm_preloaded[(tiles, splits)](
-                qkv, w_qkv, partials, cos, sin, q, k_out, v_out, _counters_for(counters, tiles), r, tokens,
-                qkv.stride(0), w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
-                SPLITS=splits, BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PRELOAD=bool(cfg["preload"]),
-                PDL=pdl, num_warps=cfg["warps"], num_stages=1, **_pdl_launch(pdl))
-            return q
-        grid = (tiles, triton.cdiv(r, block_r))
+        grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
-                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                             CHUNKS=_chunks(cfg, qkv.shape[1], d // 2), PDL=pdl,
                              num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
-    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=splits,
+    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
                     q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return q

@@ -62,8 +62,6 @@ class FastPi05:
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
-        # The preloaded expert GEMMs' column-tile counters (kernels TUNING "preload" configs).
-        self.tile_counters = kernels.tile_counters(model.action_in_proj.weight.device) if self.use_triton else None
 
     def schedule(self, num_steps: int) -> TimeSchedule:
         if num_steps not in self._schedules:
@@ -255,30 +253,24 @@ class FastPi05:
         eps, layers = dims.rms_norm_eps, len(self.w.expert)
         h2d = h.reshape(b * horizon, width).contiguous()
         y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
-        path = {family: kernels.expert_gemm_path(family, b) for family in kernels.EXPERT_GEMMS}
-
-        def project(family, x, w):  # x @ w^T as bf16 (cuBLAS) or fp32 split-K partial sums
-            return F.linear(x, w) if path[family] == "cublas" else kernels.splitk_partials(x, w)
+        cublas = {family: kernels.through_cublas(family, b) for family in kernels.EXPERT_GEMMS}
 
         def residual(family, x, w, gate, scale1p, shift):  # h += gate * x @ w^T, then AdaRMS(h)
-            return kernels.residual_norm(h2d, scale1p, shift, delta=project(family, x, w), gate=gate, eps=eps)
+            if cublas[family]:
+                return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps)
+            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps)
 
         for i, lw in enumerate(self.w.expert):
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
-            if path["qkv"] == "fused":
-                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv,
-                                                counters=self.tile_counters)
+            if cublas["qkv"]:
+                q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
             else:
-                q = kernels.qkv_rope_into_cache(project("qkv", y, lw.qkv), cos_half, sin_half, *tail,
-                                                dims.num_heads, horizon)
+                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
             attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
                                          kernels.attention_config(b))
             y = residual("o", attn.view(b * horizon, -1), lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1],
                          sched.shift[step, i, 1])
-            if path["gate_up"] == "fused":
-                act = kernels.geglu_linear(y, lw.gate_up, self.tile_counters)
-            else:
-                act = kernels.geglu(project("gate_up", y, lw.gate_up), y.dtype)
+            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas["gate_up"] else kernels.geglu_linear(y, lw.gate_up)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
             else:
