@@ -16,9 +16,10 @@ Partial sums are written, not atomically added, so results are bit-reproducible.
 On Hopper the expert kernels are launched with programmatic dependent launch (PDL): kernel k+1 is
 launched and its programs placed on the SMs while kernel k runs; each waits
 (`griddepcontrol.wait`) before its first load, so it still computes only after its predecessor
-has finished and written everything: PDL hides the launch, never changes a result. (Loading the
-first weight tile before the wait, or prefetching the weights into L2, was measured slower:
-docs/benchmarks.md, runs 27-28.)
+has finished and written everything: PDL hides the launch, never changes a result. (Every
+variant that reads weights before the wait measured slower than these kernels: the first tile or
+an L2 prefetch, runs 27-28; a program's whole weight slice, in registers or through TMA, on these
+grids or on one-tile grids, runs 91-94: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -68,135 +69,47 @@ if triton is not None:
         return 0.5 * g * (1.0 + t)
 
     @triton.jit
-    def _weight_chunks(w_ptr, cols, k0, stride_w, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """w[cols, k0 : k0 + CHUNKS * BLOCK_K] as up to four [cols, BLOCK_K] register tiles (the
-        unused ones are chunk 0 again, never read): loaded at once, all in flight together."""
-        ks = k0 + tl.arange(0, BLOCK_K)
-        base = w_ptr + cols[:, None] * stride_w + ks[None, :]
-        w0 = tl.load(base)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        if CHUNKS > 1:
-            w1 = tl.load(base + BLOCK_K)
-        if CHUNKS > 2:
-            w2 = tl.load(base + 2 * BLOCK_K)
-            w3 = tl.load(base + 3 * BLOCK_K)
-        return w0, w1, w2, w3
-
-    @triton.jit
-    def _weight_chunks_tma(w_desc, col0, k0, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """`_weight_chunks` through a TMA descriptor of [BLOCK_N, BLOCK_K] boxes: the copy engine
-        writes the tiles into shared memory, not registers."""
-        w0 = w_desc.load([col0, k0])
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        if CHUNKS > 1:
-            w1 = w_desc.load([col0, k0 + BLOCK_K])
-        if CHUNKS > 2:
-            w2 = w_desc.load([col0, k0 + 2 * BLOCK_K])
-            w3 = w_desc.load([col0, k0 + 3 * BLOCK_K])
-        return w0, w1, w2, w3
-
-    @triton.jit
-    def _dot_chunks(x_ptr, rows, k0, R, stride_x, w0, w1, w2, w3, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x[rows, k0 : k0 + CHUNKS * BLOCK_K] @ the chunks^T in fp32, chunk by chunk in K order
-        (the sums of the looped kernels with the same BLOCK_K)."""
-        live = rows[:, None] < R
-        xs = x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :]
-        acc = tl.dot(tl.load(xs, mask=live, other=0.0), tl.trans(w0))
-        if CHUNKS > 1:
-            acc = tl.dot(tl.load(xs + BLOCK_K, mask=live, other=0.0), tl.trans(w1), acc)
-        if CHUNKS > 2:
-            acc = tl.dot(tl.load(xs + 2 * BLOCK_K, mask=live, other=0.0), tl.trans(w2), acc)
-            acc = tl.dot(tl.load(xs + 3 * BLOCK_K, mask=live, other=0.0), tl.trans(w3), acc)
-        return acc
-
-    @triton.jit
-    def _dot_chunks_pair(x_ptr, rows, R, stride_x, a0, a1, a2, a3, b0, b1, b2, b3, CHUNKS: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-        """`_dot_chunks` for two weight slices (from K = 0), each x chunk loaded once for both."""
-        live = rows[:, None] < R
-        xs = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
-        x = tl.load(xs, mask=live, other=0.0)
-        acc_a = tl.dot(x, tl.trans(a0))
-        acc_b = tl.dot(x, tl.trans(b0))
-        if CHUNKS > 1:
-            x = tl.load(xs + BLOCK_K, mask=live, other=0.0)
-            acc_a = tl.dot(x, tl.trans(a1), acc_a)
-            acc_b = tl.dot(x, tl.trans(b1), acc_b)
-        if CHUNKS > 2:
-            x = tl.load(xs + 2 * BLOCK_K, mask=live, other=0.0)
-            acc_a = tl.dot(x, tl.trans(a2), acc_a)
-            acc_b = tl.dot(x, tl.trans(b2), acc_b)
-            x = tl.load(xs + 3 * BLOCK_K, mask=live, other=0.0)
-            acc_a = tl.dot(x, tl.trans(a3), acc_a)
-            acc_b = tl.dot(x, tl.trans(b3), acc_b)
-        return acc_a, acc_b
-
-    @triton.jit
     def _splitk_gemm(x_ptr, w_ptr, p_ptr, R, N, K, K_SPLIT, stride_x, stride_w,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                     W_TMA: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if CHUNKS > 0:
-            # The program's whole weight slice (K_SPLIT = CHUNKS * BLOCK_K; N a multiple of
-            # BLOCK_N) is read before the wait, while the previous kernel runs: no kernel writes
-            # weights. Only x, that kernel's output, waits for it. (W_TMA: w_ptr is a descriptor.)
-            if W_TMA:
-                w0, w1, w2, w3 = _weight_chunks_tma(w_ptr, pid_n * BLOCK_N, pid_k * K_SPLIT, CHUNKS, BLOCK_K)
-            else:
-                w0, w1, w2, w3 = _weight_chunks(w_ptr, cols, pid_k * K_SPLIT, stride_w, CHUNKS, BLOCK_K)
-            _await_inputs(PDL)
-            acc = _dot_chunks(x_ptr, rows, pid_k * K_SPLIT, R, stride_x, w0, w1, w2, w3, CHUNKS, BLOCK_K)
-        else:
-            _await_inputs(PDL)
-            acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K_SPLIT, BLOCK_K):
-                ks = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-                w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
-                acc += tl.dot(x, tl.trans(w))
+        _await_inputs(PDL)
+        acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            ks = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=cols[:, None] < N, other=0.0)
+            acc += tl.dot(x, tl.trans(w))
         out = p_ptr + pid_k * R * N + rows[:, None] * N + cols[None, :]
         tl.store(out, acc, mask=(rows[:, None] < R) & (cols[None, :] < N))
 
     @triton.jit
     def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
                                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                                PDL: tl.constexpr):
         """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
-        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs).
-        CHUNKS > 0 (K = CHUNKS * BLOCK_K): both weight slices are read before the wait."""
-        if CHUNKS > 0:
-            a0, a1, a2, a3 = _weight_chunks(w_ptr, cols, 0, stride_w, CHUNKS, BLOCK_K)
-            b0, b1, b2, b3 = _weight_chunks(w_ptr, cols + offset, 0, stride_w, CHUNKS, BLOCK_K)
-            _await_inputs(PDL)
-            acc_a, acc_b = _dot_chunks_pair(x_ptr, rows, R, stride_x, a0, a1, a2, a3, b0, b1, b2, b3, CHUNKS, BLOCK_K)
-        else:
-            _await_inputs(PDL)
-            acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-            acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
-                w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
-                w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
-                acc_a += tl.dot(x, tl.trans(w_a))
-                acc_b += tl.dot(x, tl.trans(w_b))
+        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs)."""
+        _await_inputs(PDL)
+        acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
+            w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
+            w_b = tl.load(w_ptr + (cols[:, None] + offset) * stride_w + ks[None, :])
+            acc_a += tl.dot(x, tl.trans(w_a))
+            acc_b += tl.dot(x, tl.trans(w_b))
         return acc_a, acc_b
 
     @triton.jit
     def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
-                                               BLOCK_R, BLOCK_N, BLOCK_K, CHUNKS, PDL)
+                                               BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
@@ -270,8 +183,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
                        k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
         # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
         pid = tl.program_id(0)
@@ -281,7 +193,7 @@ if triton is not None:
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
-                                                 BLOCK_R, BLOCK_N, BLOCK_K, CHUNKS, PDL)
+                                                 BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
         hi = acc_hi.to(dt).to(tl.float32)
@@ -627,25 +539,11 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     splits = _split_k(cfg, block_r, n, k, r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled()
-    w_tma = cfg.get("preload") == "tma"  # the preloaded weight tiles through the copy engine
-    w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]) if w_tma else w
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
-        x2d, w_arg, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, CHUNKS=_chunks(cfg, k // splits, n), W_TMA=w_tma, PDL=pdl,
+        x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
-
-
-def _chunks(cfg: dict, k: int, n: int) -> int:
-    """CHUNKS of a GEMM kernel whose program covers K range `k`: with "preload", its K tiles (all
-    read before the PDL wait; at most 4), else 0 (the pipelined loop, weights after the wait)."""
-    if not cfg.get("preload"):
-        return 0
-    chunks, rest = divmod(k, cfg["block_k"])
-    if rest or not 1 <= chunks <= 4 or chunks == 3 or n % cfg["block_n"]:
-        raise ValueError(f"a preload config needs 1, 2 or 4 whole K tiles a program and whole column tiles: "
-                         f"K range {k}, N {n}, config {cfg}")
-    return chunks
 
 
 def supported(dims) -> bool:
@@ -664,7 +562,7 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     pdl = pdl_enabled()
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
-        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], CHUNKS=_chunks(cfg, k, m), PDL=pdl,
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
@@ -732,8 +630,7 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
-                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-                             CHUNKS=_chunks(cfg, qkv.shape[1], d // 2), PDL=pdl,
+                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
                              num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,

@@ -1,0 +1,309 @@
+"""Probe: the expert's split-K o/down GEMM as a CUDA C++ kernel whose weights are in flight
+before the PDL wait (issue 14, run 95).
+
+Runs 91-94 found that an early weight read saves ~0.9 ms of o/down at batch 1 on one-tile grids,
+and that Triton cannot keep the committed grid while doing it (registers, a pipeliner that starts
+after the wait, TMA copies waited one by one). This kernel keeps the committed grid (32-column
+tiles x 4 K splits: 128 programs, each 512 (o) or 1024 (down) of K) and:
+1. before `griddepcontrol.wait`: cp.async of the program's whole weight slice into shared memory
+   (32 or 64 KB, one commit group, nothing in registers);
+2. after it: x (the previous kernel's output) in 256-wide commit groups, rows past R zero-filled;
+3. tensor-core products (WMMA bf16 -> fp32) chunk by chunk as each x group lands (run 95: one
+   warp per 16 rows, 2 accumulators each; run 96: every warp on all rows, 8 accumulators, the
+   warps' sums added at the end);
+4. fp32 partial sums [4, R, N], as `kernels.splitk_partials` writes them (the norm reduces them).
+Built with nvcc to a cubin at start, launched through the driver (cuLaunchKernelEx, with the
+programmatic-serialization attribute, so it pairs with the Triton kernels' PDL).
+
+Checks: partial sums against torch's fp32 product; the 360 o/down GEMMs of a call alone, back to
+back in one graph (run 97); then the denoise graph at batch 1 with
+`kernels.splitk_partials` replaced for 50 rows: committed, CUDA (weights before the wait), CUDA
+with the weights after it (the control), and without PDL; actions against the committed ones.
+
+    python3 bench/cuda_splitk.py [--out DIR] [--carveout]
+
+--carveout (run 98): both kernels ask for the largest shared-memory carveout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from bench_gpu import STEPS, TOKENS, log, make_inputs, maxdiff, time_graphed  # noqa: E402
+from kernel_ladder import CAMERA_NAMES, bench_run, time_denoise  # noqa: E402
+
+from vlaserve.checkpoint.weights import random_model  # noqa: E402
+from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
+from vlaserve.runtime.fast import kernels  # noqa: E402
+from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
+
+SOURCE = r"""
+#include <mma.h>
+#include <cuda_bf16.h>
+using namespace nvcuda;
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void wait_pending(int n) {  // at most n newest groups still in flight
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
+}
+
+template <int KS, bool PRELOAD>
+__device__ void splitk(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                       float* __restrict__ out, int R, int N, int sx, int sw) {
+  constexpr int BN = 32, LD = KS + 8, XG = 256, GROUPS = KS / XG;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(smem);  // [BN][LD]
+  __nv_bfloat16* xs = ws + BN * LD;                              // [64][LD]
+  const int col0 = blockIdx.x * BN, split = blockIdx.y, k0 = split * KS, tid = threadIdx.x;
+  if (!PRELOAD) asm volatile("griddepcontrol.wait;" ::: "memory");
+  for (int i = tid; i < BN * KS / 8; i += blockDim.x) {
+    int r = i / (KS / 8), c = (i % (KS / 8)) * 8;
+    cp_async16(ws + r * LD + c, w + (size_t)(col0 + r) * sw + k0 + c, 16);
+  }
+  commit();
+  if (PRELOAD) asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  for (int g = 0; g < GROUPS; ++g) {
+    for (int i = tid; i < 64 * XG / 8; i += blockDim.x) {
+      int r = i / (XG / 8), c = g * XG + (i % (XG / 8)) * 8;
+      bool live = r < R;
+      cp_async16(xs + r * LD + c, live ? (const void*)(x + (size_t)r * sx + k0 + c) : (const void*)x, live ? 16 : 0);
+    }
+    commit();
+  }
+  // Each warp covers every row (4 x 16) and both 16-column halves over every 4th 16-wide K step:
+  // 8 independent accumulators a warp, so the tensor cores' latency overlaps; the warps' sums are
+  // added in warp order at the end.
+  const int warp = tid / 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { wmma::fill_fragment(acc[i][0], 0.0f); wmma::fill_fragment(acc[i][1], 0.0f); }
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) {
+    wait_pending(GROUPS - 1 - g);  // the weights and x groups 0..g have landed
+    __syncthreads();
+#pragma unroll
+    for (int kk = g * XG + warp * 16; kk < (g + 1) * XG; kk += 64) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b0, b1;
+      wmma::load_matrix_sync(b0, ws + kk, LD);
+      wmma::load_matrix_sync(b1, ws + 16 * LD + kk, LD);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+        wmma::load_matrix_sync(a, xs + i * 16 * LD + kk, LD);
+        wmma::mma_sync(acc[i][0], a, b0, acc[i][0]);
+        wmma::mma_sync(acc[i][1], a, b1, acc[i][1]);
+      }
+    }
+  }
+  __syncthreads();  // every warp is done with ws / xs: stage the four warps' tiles there
+  float* stage = reinterpret_cast<float*>(smem);  // [4 warps][64][BN]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    wmma::store_matrix_sync(stage + (warp * 64 + i * 16) * BN, acc[i][0], BN, wmma::mem_row_major);
+    wmma::store_matrix_sync(stage + (warp * 64 + i * 16) * BN + 16, acc[i][1], BN, wmma::mem_row_major);
+  }
+  __syncthreads();
+  for (int i = tid; i < R * BN; i += blockDim.x) {
+    int r = i / BN, c = i % BN;
+    float v = stage[r * BN + c];
+    v += stage[(64 + r) * BN + c];
+    v += stage[(128 + r) * BN + c];
+    v += stage[(192 + r) * BN + c];
+    out[((size_t)split * R + r) * N + col0 + c] = v;
+  }
+}
+
+#define KERNEL(KS, PRE, NAME) \
+  extern "C" __global__ void __launch_bounds__(128) NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, \
+      float* out, int R, int N, int sx, int sw) { splitk<KS, PRE>(x, w, out, R, N, sx, sw); }
+KERNEL(512, true, splitk512_pre)
+KERNEL(1024, true, splitk1024_pre)
+KERNEL(512, false, splitk512_post)
+KERNEL(1024, false, splitk1024_post)
+"""
+
+SPLITS, BLOCK_N, THREADS = 4, 32, 128
+
+
+class LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: the id, padding to 8 bytes, then a 64-byte value union (here its int)
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_ubyte * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (percent of the maximum)
+
+
+class CudaSplitK:
+    """The kernels above, built and loaded into the current CUDA context."""
+
+    def __init__(self, carveout: int | None = None):
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        with tempfile.TemporaryDirectory() as tmp:
+            src, cubin = Path(tmp) / "splitk.cu", Path(tmp) / "splitk.cubin"
+            src.write_text(SOURCE)
+            started = time.time()
+            done = subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                                   "-o", str(cubin), str(src)], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(done.stderr[-4000:])
+            self.build_log, self.build_s = done.stderr, time.time() - started
+            image = cubin.read_bytes()
+        torch.zeros(1, device="cuda")  # the primary context is current
+        self.module = ctypes.c_void_p()
+        self._check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), image), "cuModuleLoadData")
+        self.funcs, self.shared = {}, {}
+        for ks in (512, 1024):
+            for mode in ("pre", "post"):
+                f = ctypes.c_void_p()
+                self._check(self.cuda.cuModuleGetFunction(ctypes.byref(f), self.module, f"splitk{ks}_{mode}".encode()),
+                            "cuModuleGetFunction")
+                shared = (BLOCK_N + 64) * (ks + 8) * 2
+                self._check(self.cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
+                if carveout is not None:  # run 98: one shared-memory carveout for both sizes
+                    self._check(self.cuda.cuFuncSetAttribute(f, PREFERRED_CARVEOUT, carveout), "cuFuncSetAttribute")
+                self.funcs[ks, mode], self.shared[ks] = f, shared
+        self.mode, self.pdl = "pre", True
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what} failed: CUresult {code}")
+
+    def supports(self, x2d: torch.Tensor, w: torch.Tensor) -> bool:
+        r, k = x2d.shape
+        return (r <= 64 and w.shape[0] % BLOCK_N == 0 and k % SPLITS == 0 and k // SPLITS in (512, 1024)
+                and x2d.stride(1) == 1 and w.stride(1) == 1 and x2d.dtype == w.dtype == torch.bfloat16)
+
+    def partials(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        r, k = x2d.shape
+        n, ks = w.shape[0], k // SPLITS
+        out = torch.empty(SPLITS, r, n, dtype=torch.float32, device=x2d.device)
+        args = [ctypes.c_void_p(x2d.data_ptr()), ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                ctypes.c_int(r), ctypes.c_int(n), ctypes.c_int(x2d.stride(0)), ctypes.c_int(w.stride(0))]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = LaunchConfig((ctypes.c_uint * 3)(n // BLOCK_N, SPLITS, 1), (ctypes.c_uint * 3)(THREADS, 1, 1),
+                           self.shared[ks], ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                           ctypes.pointer(attr) if self.pdl else None, 1 if self.pdl else 0)
+        self._check(self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), self.funcs[ks, self.mode], params, None),
+                    "cuLaunchKernelEx")
+        return out
+
+
+def main():
+    started = time.time()
+    carveout = 100 if "--carveout" in sys.argv else None
+    if carveout is not None:
+        sys.argv.remove("--carveout")
+    args, results, save = bench_run("cuda_splitk")
+    results["carveout"] = carveout
+    ops = CudaSplitK(carveout)
+    results["build_s"], results["ptxas"] = ops.build_s, ops.build_log[-2000:]
+    log(f"built in {ops.build_s:.1f}s\n{ops.build_log[-1200:]}")
+
+    # 1. Partial sums against torch's fp32 product (fresh random inputs, poisoned outputs).
+    g = torch.Generator(device="cuda").manual_seed(0)
+    checks = {}
+    for name, (n, k) in {"o": (1024, 2048), "down": (1024, 4096)}.items():
+        x = torch.randn(50, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        ref = x.float() @ w.float().T
+        for mode in ("pre", "post"):
+            ops.mode = mode
+            out = ops.partials(x, w)
+            torch.cuda.synchronize()
+            checks[f"{name}_{mode}"] = {"rel_vs_fp32": float((out.sum(0) - ref).norm() / ref.norm()),
+                                        "max_vs_triton": float((out.sum(0) - kernels.splitk_partials(x, w).sum(0)).abs().max()),
+                                        "finite": bool(torch.isfinite(out).all())}
+    ops.mode = "pre"
+    results["checks"] = checks
+    log("checks:", checks)
+    save()
+
+    # 1b. (run 97) The GEMMs alone: a call's 360 o/down launches (18 layers of random weights, so
+    # that they stream from HBM), in one graph, back to back: Triton's kernel against this one.
+    ws = [((torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
+           (torch.randn(1024, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(18)]
+    xo = torch.randn(50, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    xd = torch.randn(50, 4096, device="cuda", generator=g).to(torch.bfloat16)
+
+    def chain(partials):
+        for _ in range(STEPS):
+            for wo, wd in ws:
+                partials(xo, wo)
+                partials(xd, wd)
+
+    alone = results["gemms_alone_ms"] = {"triton": time_graphed(lambda: chain(kernels.splitk_partials))["p50_ms"]}
+    for mode, pdl in (("pre", True), ("post", True), ("pre", False)):
+        ops.mode, ops.pdl = mode, pdl
+        alone[f"cuda_{mode}_pdl{int(pdl)}"] = time_graphed(lambda: chain(ops.partials))["p50_ms"]
+    ops.mode, ops.pdl = "pre", True
+    results["gemms_alone_floor_ms"] = STEPS * 18 * (4 + 8) * 2**20 / 4.1e9  # weights once at 4.1 TB/s
+    log("the 360 o/down GEMMs alone, ms:", alone)
+    save()
+
+    # 2. The denoise graph at batch 1, split-K through the CUDA kernel where it applies.
+    cfg = ModelConfig.full_size()
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
+    runner = FastRunner(model, PolicyConfig(cfg, CAMERA_NAMES, 14, 14), use_graphs=False)
+    inputs, noise = make_inputs(1, cfg.vlm.vocab_size, seed=1)
+    runner.sample(inputs, noise, STEPS, None)
+    fast, buf = runner.fast, runner.buffers(1, TOKENS)
+    triton_partials = kernels.splitk_partials
+
+    def through_cuda(x2d, w):
+        return ops.partials(x2d, w) if ops.supports(x2d, w) else triton_partials(x2d, w)
+
+    base_ms, base_out = time_denoise(fast, buf)
+    rows = results["denoise_b1"] = [{"label": "committed (Triton split-K)", "ms": base_ms}]
+    log(f"committed denoise b1 {base_ms:.3f} ms")
+    kernels.splitk_partials = through_cuda
+    try:
+        for label, mode, pdl in (("CUDA, weights before the wait", "pre", True),
+                                 ("CUDA, weights after the wait", "post", True),
+                                 ("CUDA, weights before the wait, no PDL attribute", "pre", False),
+                                 ("CUDA, weights before the wait (again)", "pre", True)):
+            ops.mode, ops.pdl = mode, pdl
+            ms, out = time_denoise(fast, buf)
+            rows.append({"label": label, "ms": ms, "vs_committed": maxdiff(out, base_out),
+                         "finite": bool(torch.isfinite(out).all())})
+            log(f"{label}: {ms:.3f} ms (committed {base_ms:.3f}), vs committed {rows[-1]['vs_committed']:.2e}")
+            save()
+    finally:
+        kernels.splitk_partials = triton_partials
+    again_ms, _ = time_denoise(fast, buf)
+    rows.append({"label": "committed again", "ms": again_ms})
+    results["elapsed_s"] = time.time() - started
+    log(f"committed again {again_ms:.3f} ms; done in {results['elapsed_s']:.0f}s")
+    save()
+
+
+if __name__ == "__main__":
+    main()
