@@ -23,6 +23,7 @@ with the weights after it (the control), and without PDL; actions against the co
     python3 bench/cuda_splitk.py [--out DIR] [--carveout]
 
 --carveout (run 98): both kernels ask for the largest shared-memory carveout.
+--ncu (run 99): only a few eager launches of both kernels, for Nsight Compute.
 """
 
 from __future__ import annotations
@@ -217,7 +218,23 @@ class CudaSplitK:
         return out
 
 
+def ncu_target():
+    """--ncu (run 99): three eager launches each of Triton's and this split-K kernel at o's and down's
+    shapes, for `ncu -k regex:splitk` to profile (nothing timed, nothing saved)."""
+    ops = CudaSplitK()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((1024, 2048), (1024, 4096)):
+        x = torch.randn(50, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        for _ in range(3):
+            kernels.splitk_partials(x, w)
+            ops.partials(x, w)
+    torch.cuda.synchronize()
+
+
 def main():
+    if "--ncu" in sys.argv:
+        return ncu_target()
     started = time.time()
     carveout = 100 if "--carveout" in sys.argv else None
     if carveout is not None:
