@@ -10,7 +10,8 @@ tiles x 4 K splits: 128 programs, each 512 (o) or 1024 (down) of K) and:
 2. after it: x (the previous kernel's output) in 256-wide commit groups, rows past R zero-filled;
 3. tensor-core products (WMMA bf16 -> fp32) chunk by chunk as each x group lands (run 95: one
    warp per 16 rows, 2 accumulators each; run 96: every warp on all rows, 8 accumulators, the
-   warps' sums added at the end);
+   warps' sums added at the end; run 100: copy loops with compile-time strides, and 8 warps as
+   well as 4);
 4. fp32 partial sums [4, R, N], as `kernels.splitk_partials` writes them (the norm reduces them).
 Built with nvcc to a cubin at start, launched through the driver (cuLaunchKernelEx, with the
 programmatic-serialization attribute, so it pairs with the Triton kernels' PDL).
@@ -29,6 +30,7 @@ with the weights after it (the control), and without PDL; actions against the co
 from __future__ import annotations
 
 import ctypes
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -66,33 +68,38 @@ __device__ __forceinline__ void wait_pending(int n) {  // at most n newest group
   }
 }
 
-template <int KS, bool PRELOAD>
+template <int KS, bool PRELOAD, int WARPS>
 __device__ void splitk(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                        float* __restrict__ out, int R, int N, int sx, int sw) {
-  constexpr int BN = 32, LD = KS + 8, XG = 256, GROUPS = KS / XG;
+  constexpr int BN = 32, LD = KS + 8, XG = 256, GROUPS = KS / XG, THREADS = 32 * WARPS;
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(smem);  // [BN][LD]
   __nv_bfloat16* xs = ws + BN * LD;                              // [64][LD]
   const int col0 = blockIdx.x * BN, split = blockIdx.y, k0 = split * KS, tid = threadIdx.x;
+  // Copy loops with compile-time trip counts and strides (run 100): each thread's row and column
+  // follow from tid by constants, so the loops unroll into address increments.
   if (!PRELOAD) asm volatile("griddepcontrol.wait;" ::: "memory");
-  for (int i = tid; i < BN * KS / 8; i += blockDim.x) {
-    int r = i / (KS / 8), c = (i % (KS / 8)) * 8;
+#pragma unroll
+  for (int it = 0; it < BN * KS / 8 / THREADS; ++it) {
+    const int i = tid + it * THREADS, r = i / (KS / 8), c = (i % (KS / 8)) * 8;
     cp_async16(ws + r * LD + c, w + (size_t)(col0 + r) * sw + k0 + c, 16);
   }
   commit();
   if (PRELOAD) asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#pragma unroll
   for (int g = 0; g < GROUPS; ++g) {
-    for (int i = tid; i < 64 * XG / 8; i += blockDim.x) {
-      int r = i / (XG / 8), c = g * XG + (i % (XG / 8)) * 8;
-      bool live = r < R;
+#pragma unroll
+    for (int it = 0; it < 64 * XG / 8 / THREADS; ++it) {
+      const int i = tid + it * THREADS, r = i / (XG / 8), c = g * XG + (i % (XG / 8)) * 8;
+      const bool live = r < R;
       cp_async16(xs + r * LD + c, live ? (const void*)(x + (size_t)r * sx + k0 + c) : (const void*)x, live ? 16 : 0);
     }
     commit();
   }
-  // Each warp covers every row (4 x 16) and both 16-column halves over every 4th 16-wide K step:
-  // 8 independent accumulators a warp, so the tensor cores' latency overlaps; the warps' sums are
-  // added in warp order at the end.
+  // Each warp covers every row (4 x 16) and both 16-column halves over every WARPS-th 16-wide K
+  // step: 8 independent accumulators a warp, so the tensor cores' latency overlaps; the warps'
+  // sums are added in warp order at the end.
   const int warp = tid / 32;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
 #pragma unroll
@@ -102,7 +109,8 @@ __device__ void splitk(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
     wait_pending(GROUPS - 1 - g);  // the weights and x groups 0..g have landed
     __syncthreads();
 #pragma unroll
-    for (int kk = g * XG + warp * 16; kk < (g + 1) * XG; kk += 64) {
+    for (int step = 0; step < XG / 16 / WARPS; ++step) {
+      const int kk = g * XG + (step * WARPS + warp) * 16;
       wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b0, b1;
       wmma::load_matrix_sync(b0, ws + kk, LD);
       wmma::load_matrix_sync(b1, ws + 16 * LD + kk, LD);
@@ -115,34 +123,37 @@ __device__ void splitk(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16*
       }
     }
   }
-  __syncthreads();  // every warp is done with ws / xs: stage the four warps' tiles there
-  float* stage = reinterpret_cast<float*>(smem);  // [4 warps][64][BN]
+  __syncthreads();  // every warp is done with ws / xs: stage the warps' tiles there
+  float* stage = reinterpret_cast<float*>(smem);  // [WARPS][64][BN]
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     wmma::store_matrix_sync(stage + (warp * 64 + i * 16) * BN, acc[i][0], BN, wmma::mem_row_major);
     wmma::store_matrix_sync(stage + (warp * 64 + i * 16) * BN + 16, acc[i][1], BN, wmma::mem_row_major);
   }
   __syncthreads();
-  for (int i = tid; i < R * BN; i += blockDim.x) {
-    int r = i / BN, c = i % BN;
+  for (int i = tid; i < R * BN; i += THREADS) {
+    const int r = i / BN, c = i % BN;
     float v = stage[r * BN + c];
-    v += stage[(64 + r) * BN + c];
-    v += stage[(128 + r) * BN + c];
-    v += stage[(192 + r) * BN + c];
+#pragma unroll
+    for (int q = 1; q < WARPS; ++q) v += stage[(q * 64 + r) * BN + c];
     out[((size_t)split * R + r) * N + col0 + c] = v;
   }
 }
 
-#define KERNEL(KS, PRE, NAME) \
-  extern "C" __global__ void __launch_bounds__(128) NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, \
-      float* out, int R, int N, int sx, int sw) { splitk<KS, PRE>(x, w, out, R, N, sx, sw); }
-KERNEL(512, true, splitk512_pre)
-KERNEL(1024, true, splitk1024_pre)
-KERNEL(512, false, splitk512_post)
-KERNEL(1024, false, splitk1024_post)
+#define KERNEL(KS, PRE, WARPS, NAME) \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, \
+      float* out, int R, int N, int sx, int sw) { splitk<KS, PRE, WARPS>(x, w, out, R, N, sx, sw); }
+KERNEL(512, true, 4, splitk512_pre_w4)
+KERNEL(1024, true, 4, splitk1024_pre_w4)
+KERNEL(512, false, 4, splitk512_post_w4)
+KERNEL(1024, false, 4, splitk1024_post_w4)
+KERNEL(512, true, 8, splitk512_pre_w8)
+KERNEL(1024, true, 8, splitk1024_pre_w8)
+KERNEL(512, false, 8, splitk512_post_w8)
+KERNEL(1024, false, 8, splitk1024_post_w8)
 """
 
-SPLITS, BLOCK_N, THREADS = 4, 32, 128
+SPLITS, BLOCK_N = 4, 32
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -180,17 +191,17 @@ class CudaSplitK:
         self.module = ctypes.c_void_p()
         self._check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), image), "cuModuleLoadData")
         self.funcs, self.shared = {}, {}
-        for ks in (512, 1024):
-            for mode in ("pre", "post"):
-                f = ctypes.c_void_p()
-                self._check(self.cuda.cuModuleGetFunction(ctypes.byref(f), self.module, f"splitk{ks}_{mode}".encode()),
-                            "cuModuleGetFunction")
-                shared = (BLOCK_N + 64) * (ks + 8) * 2
-                self._check(self.cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
-                if carveout is not None:  # run 98: one shared-memory carveout for both sizes
-                    self._check(self.cuda.cuFuncSetAttribute(f, PREFERRED_CARVEOUT, carveout), "cuFuncSetAttribute")
-                self.funcs[ks, mode], self.shared[ks] = f, shared
-        self.mode, self.pdl = "pre", True
+        for ks, mode, warps in itertools.product((512, 1024), ("pre", "post"), (4, 8)):
+            f = ctypes.c_void_p()
+            self._check(self.cuda.cuModuleGetFunction(ctypes.byref(f), self.module,
+                                                      f"splitk{ks}_{mode}_w{warps}".encode()), "cuModuleGetFunction")
+            # the operands, or the warps' staged sums once they are consumed
+            shared = max((BLOCK_N + 64) * (ks + 8) * 2, warps * 64 * BLOCK_N * 4)
+            self._check(self.cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
+            if carveout is not None:  # run 98: one shared-memory carveout for both sizes
+                self._check(self.cuda.cuFuncSetAttribute(f, PREFERRED_CARVEOUT, carveout), "cuFuncSetAttribute")
+            self.funcs[ks, mode, warps], self.shared[ks, warps] = f, shared
+        self.mode, self.pdl, self.warps = "pre", True, 4
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -210,10 +221,10 @@ class CudaSplitK:
                 ctypes.c_int(r), ctypes.c_int(n), ctypes.c_int(x2d.stride(0)), ctypes.c_int(w.stride(0))]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
         attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        cfg = LaunchConfig((ctypes.c_uint * 3)(n // BLOCK_N, SPLITS, 1), (ctypes.c_uint * 3)(THREADS, 1, 1),
-                           self.shared[ks], ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+        cfg = LaunchConfig((ctypes.c_uint * 3)(n // BLOCK_N, SPLITS, 1), (ctypes.c_uint * 3)(32 * self.warps, 1, 1),
+                           self.shared[ks, self.warps], ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                            ctypes.pointer(attr) if self.pdl else None, 1 if self.pdl else 0)
-        self._check(self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), self.funcs[ks, self.mode], params, None),
+        self._check(self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), self.funcs[ks, self.mode, self.warps], params, None),
                     "cuLaunchKernelEx")
         return out
 
@@ -252,14 +263,14 @@ def main():
         x = torch.randn(50, k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         ref = x.float() @ w.float().T
-        for mode in ("pre", "post"):
-            ops.mode = mode
+        for mode, warps in itertools.product(("pre", "post"), (4, 8)):
+            ops.mode, ops.warps = mode, warps
             out = ops.partials(x, w)
             torch.cuda.synchronize()
-            checks[f"{name}_{mode}"] = {"rel_vs_fp32": float((out.sum(0) - ref).norm() / ref.norm()),
+            checks[f"{name}_{mode}_w{warps}"] = {"rel_vs_fp32": float((out.sum(0) - ref).norm() / ref.norm()),
                                         "max_vs_triton": float((out.sum(0) - kernels.splitk_partials(x, w).sum(0)).abs().max()),
                                         "finite": bool(torch.isfinite(out).all())}
-    ops.mode = "pre"
+    ops.mode, ops.warps = "pre", 4
     results["checks"] = checks
     log("checks:", checks)
     save()
@@ -278,10 +289,11 @@ def main():
                 partials(xd, wd)
 
     alone = results["gemms_alone_ms"] = {"triton": time_graphed(lambda: chain(kernels.splitk_partials))["p50_ms"]}
-    for mode, pdl in (("pre", True), ("post", True), ("pre", False)):
-        ops.mode, ops.pdl = mode, pdl
-        alone[f"cuda_{mode}_pdl{int(pdl)}"] = time_graphed(lambda: chain(ops.partials))["p50_ms"]
-    ops.mode, ops.pdl = "pre", True
+    for mode, pdl, warps in (("pre", True, 4), ("post", True, 4), ("pre", False, 4), ("pre", True, 8),
+                             ("post", True, 8)):
+        ops.mode, ops.pdl, ops.warps = mode, pdl, warps
+        alone[f"cuda_{mode}_pdl{int(pdl)}_w{warps}"] = time_graphed(lambda: chain(ops.partials))["p50_ms"]
+    ops.mode, ops.pdl, ops.warps = "pre", True, 4
     results["gemms_alone_floor_ms"] = STEPS * 18 * (4 + 8) * 2**20 / 4.1e9  # weights once at 4.1 TB/s
     log("the 360 o/down GEMMs alone, ms:", alone)
     save()
@@ -303,11 +315,13 @@ def main():
     log(f"committed denoise b1 {base_ms:.3f} ms")
     kernels.splitk_partials = through_cuda
     try:
-        for label, mode, pdl in (("CUDA, weights before the wait", "pre", True),
-                                 ("CUDA, weights after the wait", "post", True),
-                                 ("CUDA, weights before the wait, no PDL attribute", "pre", False),
-                                 ("CUDA, weights before the wait (again)", "pre", True)):
-            ops.mode, ops.pdl = mode, pdl
+        for label, mode, pdl, warps in (("CUDA, weights before the wait", "pre", True, 4),
+                                        ("CUDA, weights after the wait", "post", True, 4),
+                                        ("CUDA, weights before the wait, no PDL attribute", "pre", False, 4),
+                                        ("CUDA, 8 warps, weights before the wait", "pre", True, 8),
+                                        ("CUDA, 8 warps, weights after the wait", "post", True, 8),
+                                        ("CUDA, weights before the wait (again)", "pre", True, 4)):
+            ops.mode, ops.pdl, ops.warps = mode, pdl, warps
             ms, out = time_denoise(fast, buf)
             rows.append({"label": label, "ms": ms, "vs_committed": maxdiff(out, base_out),
                          "finite": bool(torch.isfinite(out).all())})
