@@ -215,11 +215,14 @@ def action_step_bench(model, cfg) -> dict:
     return out
 
 
-def bench_run(name: str):
-    """The run's command line (--out), its results dict (device and versions filled in) and a `save`
-    that writes it as <name>.json under bench/results and --out."""
+def bench_run(name: str, flags: dict[str, str] | None = None):
+    """The run's command line (--out, and each of `flags`, {name: help}, as an on/off option), its
+    results dict (device and versions filled in) and a `save` that writes it as <name>.json under
+    bench/results and --out."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    for flag, help_text in (flags or {}).items():
+        ap.add_argument(f"--{flag}", action="store_true", help=help_text)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
