@@ -224,12 +224,45 @@ def register_eager_geglu():
             return one(x, y)
         return gate
 
-    for name, gelu in (("geglu_eager", gelu_accurate), ("geglu_served", gelu_served)):
-        activation.gate_fn_map[name] = gated(gelu)
+    @dsl_user_op
+    def round_pair(x0, x1, *, loc=None, ip=None):
+        # run 105: the scalar epilogues cost ~0.55 ms a layer over quack's own; one packed cvt per pair
+        pair = llvm.inline_asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
+                               [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
+                               "{.reg .b32 h; cvt.rn.bf16x2.f32 h, $3, $2; shl.b32 $0, h, 16; "
+                               "and.b32 $1, h, 0xffff0000;}",
+                               "=f,=f,f,f", has_side_effects=False, loc=loc, ip=ip)
+        return (Float32(llvm.extractvalue(T.f32(), pair, [0], loc=loc, ip=ip)),
+                Float32(llvm.extractvalue(T.f32(), pair, [1], loc=loc, ip=ip)))
+
+    def gated_pairs(gelu, rounding: bool):
+        def gate_pair(x, y):  # x: two gates, y: their two ups
+            if const_expr(not rounding):
+                return (gelu(x[0]) * y[0], gelu(x[1]) * y[1])
+            g, u = round_pair(*x), round_pair(*y)
+            a = round_pair(gelu(g[0]), gelu(g[1]))
+            return (a[0] * u[0], a[1] * u[1])
+
+        @dsl_user_op
+        def gate(x, y, *, loc=None, ip=None):
+            if const_expr(isinstance(x, tuple)):
+                return gate_pair(x, y)
+            return gate_pair((x, x), (y, y))[0]
+        return gate
+
+    def gelu_fast(x):  # quack's: tanh.approx (not the eager tanh; a bound on what the rounding costs)
+        return activation.gelu_tanh_approx(x)
+
+    gates = {"geglu_eager": gated(gelu_accurate), "geglu_served": gated(gelu_served),
+             "geglu_served_x2": gated_pairs(gelu_served, True),
+             "geglu_fast_rounded": gated_pairs(gelu_fast, True),
+             "geglu_served_unrounded": gated_pairs(gelu_served, False)}
+    for name, gate in gates.items():
+        activation.gate_fn_map[name] = gate
         gemm_interface.gated_to_pytorch_fn_map[name] = gemm_interface.gated_to_pytorch_fn_map["geglu"]
 
 
-def geglu_case(rows: int) -> dict:
+def geglu_case(rows: int, tuned: bool) -> dict:
     from quack.gemm_interface import gemm, gemm_act
 
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -260,6 +293,12 @@ def geglu_case(rows: int) -> dict:
         "quack_gemm_geglu_served": lambda: gemm_act(x, w_pairs.t(), activation="geglu_served", store_preact=False,
                                                     tuned=False)[1],
     }
+    for name in ("geglu_served_x2", "geglu_fast_rounded", "geglu_served_unrounded"):  # run 106
+        variants[f"quack_gemm_{name}"] = lambda name=name: gemm_act(x, w_pairs.t(), activation=name,
+                                                                    store_preact=False, tuned=False)[1]
+    if tuned:
+        variants["quack_gemm_geglu_served_x2_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation="geglu_served_x2",
+                                                                        store_preact=False, tuned=True)[1]
     served_out = served()
     for name, fn in variants.items():
         try:
@@ -287,8 +326,8 @@ def geglu_case(rows: int) -> dict:
 def main():
     args, results, save = bench_run("cute_probe", {
         "gemms_only": "skip the attention (run 101 measured it)",
-        "tuned": "batch 8 only: quack's autotuned GEMMs too, for the shapes its default config lost (run 102)",
-        "geglu_only": "only the gate_up + GeGLU at batch 8 (the eager-rounding epilogue)"})
+        "tuned": "batch 8 only: quack's autotuned GEMMs too (the shapes its default config lost, run 102; the GeGLU epilogue)",
+        "geglu_only": "only the gate_up + GeGLU (the eager-rounding epilogues)"})
     try:
         import cutlass
         results["cutlass_dsl"] = getattr(cutlass, "__version__", "?")
@@ -301,7 +340,7 @@ def main():
         except Exception as exc:
             results[patch.__name__] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-    for b in () if args.gemms_only else (1, 8):
+    for b in () if args.gemms_only or args.geglu_only else (1, 8):
         prefix = IMAGE + BUCKET
         results["attention"].append(attention_case(b, prefix, prefix, IMAGE + PROMPT,
                                                    kernels.prefix_attention_config(b), expert=False))
@@ -310,8 +349,8 @@ def main():
                                                    kernels.attention_config(b), expert=True))
         save()
     # batch 8 first: run 104 timed quack's GeGLU GEMM at 6912 rows slower after its 864-row call
-    for rows in (8 * (IMAGE + BUCKET),) if args.tuned or args.geglu_only else (8 * (IMAGE + BUCKET), IMAGE + BUCKET):
-        results["geglu"].append(geglu_case(rows))
+    for rows in (8 * (IMAGE + BUCKET),) if args.tuned else (8 * (IMAGE + BUCKET), IMAGE + BUCKET):
+        results["geglu"].append(geglu_case(rows, tuned=args.tuned))
         save()
     if args.geglu_only:
         return
