@@ -17,7 +17,8 @@ Needs FlashAttention-4 (`flash-attn-4`, its Hopper forward takes head_dim 256) a
    our GeGLU pass (served), quack's plain GEMM, and quack's GEMM with the GeGLU in its epilogue
    (that applies GELU to the fp32 sums, where the served path rounds gate and up to bf16 first:
    not the eager path's rounding points, so this measures what such an epilogue could buy), and
-   two epilogues that round where the eager path does (`register_eager_geglu`).
+   the served `--prefix-mlp quack` epilogue, which rounds where the eager path does, and variants
+   of it (`register_variants`).
 3. The prefix's and SigLIP's other GEMMs, cuBLAS against quack's (default or autotuned config).
 Every output is compared with fp32 math on the same bf16 inputs. JSON: cute_probe.json.
 """
@@ -153,110 +154,29 @@ def gemm_case(name: str, rows: int, k: int, n: int, with_bias: bool, layers: int
     return row
 
 
-def allow_context_vars():
-    """quack 0.6.5 keys its compiled epilogues by what their functions close over; under CUTLASS
-    DSL 4.8.1 the GeGLU closes over one of the DSL's ContextVars, which quack refuses (run 101).
-    Keyed by its name here: the probe compiles one epilogue of each kind."""
-    import contextvars
-
-    from quack.gemm_runtime import identity
-
-    original = identity.semantic_value_key
-
-    def key(value, *args, **kwargs):
-        if isinstance(value, contextvars.ContextVar):
-            return ("contextvar", value.name)
-        try:
-            return original(value, *args, **kwargs)
-        except TypeError:  # run 102: a method descriptor of code objects as well
-            return ("opaque", type(value).__qualname__, getattr(value, "__qualname__", repr(value)))
-    identity.semantic_value_key = key
-
-
-def register_eager_geglu():
-    """GeGLU epilogues with the eager path's rounding points, registered in quack: gate and up
-    rounded to bf16 (what cuBLAS stores), GELU rounded to bf16 (what F.gelu returns), times up,
-    rounded to bf16 by the store (what `*` returns). "geglu_eager" takes the tanh as torch does
-    (accurate tanhf), "geglu_served" as our Triton kernel does. quack's own "geglu" applies GELU to
-    the fp32 sums (run 103: 3.8 ms faster a batch-8 call, not the eager rounding)."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, const_expr
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
-    from cutlass.experimental import primitives as prims
+def register_variants():
+    """The served epilogue (vlaserve.runtime.fast.cute, "vlaserve_geglu"), and from the same pieces:
+    "geglu_eager" (tanh as torch takes it: accurate tanhf), "geglu_fast_rounded" (quack's
+    tanh.approx: a bound on what the rounding costs) and "geglu_served_unrounded" (no rounding:
+    what GELU alone costs). Runs 105-106 also timed a cvt per value (commit 1fcc633's script)."""
+    import cutlass.cute as cute_dsl
     from quack import activation, gemm_interface
 
-    @dsl_user_op
-    def round_bf16(x, *, loc=None, ip=None):
-        # the nearest bf16 (ties to even), back in fp32: its 16 high bits, 16 zero bits below
-        bits = llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-                               "{.reg .b16 h, z; cvt.rn.bf16.f32 h, $1; mov.b16 z, 0; mov.b32 $0, {z, h};}",
-                               "=r,f", has_side_effects=False, loc=loc, ip=ip)
-        return prims.mov_b32(Int32(bits), target_type=Float32, loc=loc, ip=ip)
+    from vlaserve.runtime.fast import cute
 
-    @dsl_user_op
-    def ptx_f32(asm, *xs, loc=None, ip=None):
-        # one PTX instruction on fp32 operands: what Triton emits for tl.exp and fp32 `/`
-        constraints = ",".join(["=f"] + ["f"] * len(xs))
-        value = llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in xs], asm, constraints,
-                                has_side_effects=False, loc=loc, ip=ip)
-        return Float32(value)
+    cute.register()
+    ops = cute.epilogue_ops()
 
-    def gelu_accurate(x):  # torch's eager GELU: tanhf
+    def gelu_accurate(x):
         z = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
-        return 0.5 * x * (1.0 + cute.math.tanh(z, fastmath=False))
+        return 0.5 * x * (1.0 + cute_dsl.math.tanh(z, fastmath=False))
 
-    def gelu_served(x):  # the served Triton kernel's: 2 / (1 + exp(-2z)) - 1, exp as ex2.approx of z log2(e)
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        e = ptx_f32("ex2.approx.f32 $0, $1;", -2.0 * z * 1.4426950408889634)
-        t = ptx_f32("div.full.f32 $0, $1, $2;", 2.0, 1.0 + e) - 1.0
-        return 0.5 * x * (1.0 + t)
-
-    def gated(gelu):  # gelu is a closure cell: quack keys a compiled epilogue by what it closes over
-        def one(g, u):
-            g, u = round_bf16(g), round_bf16(u)
-            return round_bf16(gelu(g)) * u
-
-        @dsl_user_op
-        def gate(x, y, *, loc=None, ip=None):
-            if const_expr(isinstance(x, tuple)):
-                return (one(x[0], y[0]), one(x[1], y[1]))
-            return one(x, y)
-        return gate
-
-    @dsl_user_op
-    def round_pair(x0, x1, *, loc=None, ip=None):
-        # run 105: the scalar epilogues cost ~0.55 ms a layer over quack's own; one packed cvt per pair
-        pair = llvm.inline_asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
-                               [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
-                               "{.reg .b32 h; cvt.rn.bf16x2.f32 h, $3, $2; shl.b32 $0, h, 16; "
-                               "and.b32 $1, h, 0xffff0000;}",
-                               "=f,=f,f,f", has_side_effects=False, loc=loc, ip=ip)
-        return (Float32(llvm.extractvalue(T.f32(), pair, [0], loc=loc, ip=ip)),
-                Float32(llvm.extractvalue(T.f32(), pair, [1], loc=loc, ip=ip)))
-
-    def gated_pairs(gelu, rounding: bool):
-        def gate_pair(x, y):  # x: two gates, y: their two ups
-            if const_expr(not rounding):
-                return (gelu(x[0]) * y[0], gelu(x[1]) * y[1])
-            g, u = round_pair(*x), round_pair(*y)
-            a = round_pair(gelu(g[0]), gelu(g[1]))
-            return (a[0] * u[0], a[1] * u[1])
-
-        @dsl_user_op
-        def gate(x, y, *, loc=None, ip=None):
-            if const_expr(isinstance(x, tuple)):
-                return gate_pair(x, y)
-            return gate_pair((x, x), (y, y))[0]
-        return gate
-
-    def gelu_fast(x):  # quack's: tanh.approx (not the eager tanh; a bound on what the rounding costs)
+    def gelu_fast(x):
         return activation.gelu_tanh_approx(x)
 
-    gates = {"geglu_eager": gated(gelu_accurate), "geglu_served": gated(gelu_served),
-             "geglu_served_x2": gated_pairs(gelu_served, True),
-             "geglu_fast_rounded": gated_pairs(gelu_fast, True),
-             "geglu_served_unrounded": gated_pairs(gelu_served, False)}
+    gates = {"geglu_eager": ops.gated(gelu_accurate, rounded=True),
+             "geglu_fast_rounded": ops.gated(gelu_fast, rounded=True),
+             "geglu_served_unrounded": ops.gated(ops.gelu_served, rounded=False)}
     for name, gate in gates.items():
         activation.gate_fn_map[name] = gate
         gemm_interface.gated_to_pytorch_fn_map[name] = gemm_interface.gated_to_pytorch_fn_map["geglu"]
@@ -264,6 +184,8 @@ def register_eager_geglu():
 
 def geglu_case(rows: int, tuned: bool) -> dict:
     from quack.gemm_interface import gemm, gemm_act
+
+    from vlaserve.runtime.fast import cute
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, WIDTH, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -288,17 +210,14 @@ def geglu_case(rows: int, tuned: bool) -> dict:
     variants = {
         "quack_gemm": lambda: gemm(x, w.t(), tuned=False),
         "quack_gemm_geglu": lambda: gemm_act(x, w_pairs.t(), activation="geglu", store_preact=False, tuned=False)[1],
-        "quack_gemm_geglu_eager": lambda: gemm_act(x, w_pairs.t(), activation="geglu_eager", store_preact=False,
-                                                   tuned=False)[1],
-        "quack_gemm_geglu_served": lambda: gemm_act(x, w_pairs.t(), activation="geglu_served", store_preact=False,
-                                                    tuned=False)[1],
     }
-    for name in ("geglu_served_x2", "geglu_fast_rounded", "geglu_served_unrounded"):  # run 106
+    for name in ("geglu_eager", "geglu_fast_rounded", "geglu_served_unrounded"):
         variants[f"quack_gemm_{name}"] = lambda name=name: gemm_act(x, w_pairs.t(), activation=name,
                                                                     store_preact=False, tuned=False)[1]
+    variants["served_quack"] = lambda: cute.geglu_linear(x, w_pairs)  # --prefix-mlp quack
     if tuned:
-        variants["quack_gemm_geglu_served_x2_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation="geglu_served_x2",
-                                                                        store_preact=False, tuned=True)[1]
+        variants["served_quack_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation=cute.ACTIVATION,
+                                                          store_preact=False, tuned=True)[1]
     served_out = served()
     for name, fn in variants.items():
         try:
@@ -334,12 +253,11 @@ def main():
     except Exception as exc:
         results["cutlass_dsl"] = f"{type(exc).__name__}: {exc}"
     results["attention"], results["geglu"], results["gemms"] = [], [], []
-    for patch in (allow_context_vars, register_eager_geglu):
-        try:
-            patch()
-        except Exception as exc:
-            results[patch.__name__] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
+    try:
+        register_variants()
+    except Exception as exc:
+        results["register_variants"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
     for b in () if args.gemms_only or args.geglu_only else (1, 8):
         prefix = IMAGE + BUCKET
         results["attention"].append(attention_case(b, prefix, prefix, IMAGE + PROMPT,

@@ -235,6 +235,21 @@ def bench_run(name: str, flags: dict[str, str] | None = None):
     return args, results, save
 
 
+def timed_call(runner, x, noise, ref32) -> tuple[torch.Tensor, dict]:
+    """One call's actions and its row: p50 ms, median prefix / denoise stage ms of 10 calls, the
+    first call's seconds (compiles and captures), max|Δ| vs `ref32`, and whether a repeat is
+    bit-identical."""
+    t0 = time.perf_counter()
+    out, _ = runner.sample(x, noise, STEPS, None)
+    first_s = time.perf_counter() - t0
+    again, _ = runner.sample(x, noise, STEPS, None)
+    stages = [runner.sample(x, noise, STEPS, None)[1] for _ in range(10)]
+    return out, {"p50_ms": time_cuda(lambda: runner.sample(x, noise, STEPS, None))["p50_ms"],
+                 "prefix_ms": sorted(s["prefix_ms"] for s in stages)[5],
+                 "denoise_ms": sorted(s["denoise_ms"] for s in stages)[5], "first_call_s": first_s,
+                 "vs_fp32": maxdiff(out, ref32), "repeat_bit_identical": bool(torch.equal(out, again))}
+
+
 def full_size_models():
     """Full-size Pi0.5 with random weights (bf16 + the fp32 set), the same weights upcast to fp32 (the
     accuracy reference), and the ALOHA-3 policy config."""

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
-from . import kernels
+from ...errors import ConfigError
+from . import cute, kernels
 from .weights import FusedWeights
 
 
@@ -49,19 +50,28 @@ class FastPi05:
     # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
     FUSED_ACTION_IO = True
 
-    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None):
+    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, prefix_mlp: str = "cublas"):
+        """prefix_mlp: "cublas" (cuBLAS, then our GeGLU pass) or "quack" (cute.py: one kernel, the same bits)."""
         self.model = model
         self.layer_stream = layer_stream
-        if layer_stream is None:
-            self.w = FusedWeights.of(model)
-        else:
-            with layer_stream.slot_views():
-                self.w = FusedWeights.of(model, views_only=True)
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
         self.dtype = model.vlm.dtype
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
+        self.quack_mlp = prefix_mlp == "quack"
+        if self.quack_mlp:
+            if not self._prefix_on_triton() or layer_stream is not None:
+                raise ConfigError("prefix_mlp 'quack' needs the Triton fast path (bfloat16, CUDA) and no offload")
+            cute.require(model.action_in_proj.weight.device)
+        if layer_stream is None:
+            self.w = FusedWeights.of(model, gate_up_pairs=self.quack_mlp)
+        else:
+            with layer_stream.slot_views():
+                self.w = FusedWeights.of(model, views_only=True)
+
+    def _prefix_on_triton(self) -> bool:
+        return self.use_triton and self.vlm_dims.width & (self.vlm_dims.width - 1) == 0
 
     def schedule(self, num_steps: int) -> TimeSchedule:
         if num_steps not in self._schedules:
@@ -147,7 +157,7 @@ class FastPi05:
         positions = pad.long().cumsum(1) - 1
         dims = self.vlm_dims
         cos, sin = rope_cos_sin(positions, dims.head_dim, dims.rope_theta, self.dtype)
-        if self.use_triton and dims.width & (dims.width - 1) == 0:
+        if self._prefix_on_triton():
             self._prefix_triton(h, pad, cos, sin, k_cache, v_cache)
         else:
             self._prefix_torch(h, pad, cos, sin, k_cache, v_cache)
@@ -193,7 +203,11 @@ class FastPi05:
             q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
             attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
-            down = F.linear(kernels.geglu(F.linear(y, lw.gate_up)), lw.down)
+            if self.quack_mlp and b >= cute.FROM_BATCH:
+                act = cute.geglu_linear(y, lw.gate_up)
+            else:
+                act = kernels.geglu(F.linear(y, lw.gate_up), pairs=self.w.gate_up_pairs)
+            down = F.linear(act, lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 
     # ---- denoising ------------------------------------------------------------------------
