@@ -250,7 +250,7 @@ class RuntimeConfig:
                                                  "the limit) or ladder (1, 2, 4, 8: other sizes run padded to the "
                                                  "next; less graph memory)")
     prefix_mlp: str = _option("cublas", "KERNEL", "the prefix's gate/up + GeGLU on CUDA: cublas (a GEMM, then a GeGLU "
-                                                  "pass) or quack (one kernel, the same bits, ~3 ms less a batch-8 call on "
+                                                  "pass) or quack (one kernel, the same bits, ~2.5 ms less a batch-8 call on "
                                                   "an H200; Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
