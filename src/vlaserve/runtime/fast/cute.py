@@ -49,10 +49,10 @@ def require(device: torch.device) -> None:
 
 
 def geglu_linear(x2d: torch.Tensor, w_pairs: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W_pairs [2M, K] with gate row i at 2i, up at 2i + 1."""
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W_pairs [2M, K] with gate row i at 2i, up at 2i + 1
+    (after `register`)."""
     from quack.gemm_interface import gemm_act
 
-    register()
     return gemm_act(x2d, w_pairs.t(), activation=ACTIVATION, store_preact=False, tuned=False)[1]
 
 
@@ -142,4 +142,4 @@ def epilogue_ops():
             return gate_pair((x, x), (y, y))[0]
         return gate
 
-    return SimpleNamespace(round_pair=round_pair, ptx_f32=ptx_f32, gelu_served=gelu_served, gated=gated)
+    return SimpleNamespace(gelu_served=gelu_served, gated=gated)

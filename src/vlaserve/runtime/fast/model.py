@@ -59,13 +59,14 @@ class FastPi05:
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
-        self.quack_mlp = prefix_mlp == "quack"
-        if self.quack_mlp:
+        quack = prefix_mlp == "quack"  # then self.w.gate_up_pairs
+        if quack:
             if not self._prefix_on_triton() or layer_stream is not None:
                 raise ConfigError("prefix_mlp 'quack' needs the Triton fast path (bfloat16, CUDA) and no offload")
             cute.require(model.action_in_proj.weight.device)
+            cute.register()
         if layer_stream is None:
-            self.w = FusedWeights.of(model, gate_up_pairs=self.quack_mlp)
+            self.w = FusedWeights.of(model, gate_up_pairs=quack)
         else:
             with layer_stream.slot_views():
                 self.w = FusedWeights.of(model, views_only=True)
@@ -203,7 +204,7 @@ class FastPi05:
             q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
             attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
-            if self.quack_mlp and b >= cute.FROM_BATCH:
+            if self.w.gate_up_pairs and b >= cute.FROM_BATCH:
                 act = cute.geglu_linear(y, lw.gate_up)
             else:
                 act = kernels.geglu(F.linear(y, lw.gate_up), pairs=self.w.gate_up_pairs)
