@@ -468,9 +468,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--golden", default=GOLDEN, help="golden fixture folder (default: unpacked from tests/data)")
     ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
+    ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "quack"),
+                    help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "workload": {
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "gemm_library": args.gemm_library, "workload": {
         "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
         "horizon": HORIZON, "steps": STEPS}}
     started = time.time()
@@ -511,7 +514,8 @@ def main():
 
     policy_config = PolicyConfig(cfg, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
     variants = {
-        "fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True),
+        "fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
+                                         gemm_library=args.gemm_library),
         "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
         "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False),
     }
@@ -596,7 +600,7 @@ def main():
     from vlaserve.runtime.fast import kernels
 
     kernels.TUNING["pdl"] = False
-    plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True)
+    plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library)
     for b, (inp, noi) in ((1, (inputs, make_inputs(1, 10)[1])), (8, (inputs8, noise8))):
         plain.sample(inp, noi, STEPS, None)
         results[f"no_pdl_b{b}_p50_ms"] = time_cuda(lambda: served_call(plain, inp, noi))["p50_ms"]

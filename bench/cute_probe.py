@@ -17,7 +17,7 @@ Needs FlashAttention-4 (`flash-attn-4`, its Hopper forward takes head_dim 256) a
    our GeGLU pass (served), quack's plain GEMM, and quack's GEMM with the GeGLU in its epilogue
    (that applies GELU to the fp32 sums, where the served path rounds gate and up to bf16 first:
    not the eager path's rounding points, so this measures what such an epilogue could buy), and
-   the served `--prefix-mlp quack` epilogue, which rounds where the eager path does, and variants
+   the served `--gemm-library quack` epilogue, which rounds where the eager path does, and variants
    of it (`register_variants`).
 3. The prefix's and SigLIP's other GEMMs, cuBLAS against quack's (default or autotuned config).
 Every output is compared with fp32 math on the same bf16 inputs. JSON: cute_probe.json.
@@ -214,9 +214,9 @@ def geglu_case(rows: int, tuned: bool) -> dict:
     for name in ("geglu_eager", "geglu_fast_rounded", "geglu_served_unrounded"):
         variants[f"quack_gemm_{name}"] = lambda name=name: gemm_act(x, w_pairs.t(), activation=name,
                                                                     store_preact=False, tuned=False)[1]
-    variants["served_quack"] = lambda: cute.geglu_linear(x, w_pairs)  # --prefix-mlp quack
+    variants["served_quack"] = lambda: cute.geglu_linear(x, w_pairs)  # --gemm-library quack
     if tuned:
-        variants["served_quack_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation=cute.ACTIVATION,
+        variants["served_quack_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation=cute.GEGLU,
                                                           store_preact=False, tuned=True)[1]
     served_out = served()
     for name, fn in variants.items():

@@ -227,7 +227,7 @@ def test_gelu_kernel_rounds_as_torch():
     assert report["in_place"], report
 
 
-GEGLU_PAIRS = r'''
+GEGLU = r'''
 import json
 import torch
 from vlaserve.runtime.fast import kernels
@@ -235,19 +235,15 @@ from vlaserve.runtime.fast import kernels
 torch.manual_seed(0)
 # 3 rows of 2 x 1500 columns: M not a multiple of the kernel's 1024-column block
 gate, up = torch.randn(3, 1500).half() * 3, torch.randn(3, 1500).half()
-halves = kernels.geglu(torch.cat([gate, up], dim=1))
-pairs = kernels.geglu(torch.stack([gate, up], dim=2).reshape(3, 3000), pairs=True)
+out = kernels.geglu(torch.cat([gate, up], dim=1))
 eager = (torch.nn.functional.gelu(gate.float(), approximate="tanh").half().float() * up.float()).half()
-print(json.dumps({"pairs_equal_halves": bool(torch.equal(pairs, halves)),
-                  "vs_eager": float((halves.float() - eager.float()).abs().max())}))
+print(json.dumps({"vs_eager": float((out.float() - eager.float()).abs().max())}))
 '''
 
 
-def test_geglu_pass_reads_the_pairs_layout_of_prefix_mlp_quack():
-    # The same elements through the same math, only read from other columns: bit for bit equal.
-    report = interpreted_report(GEGLU_PAIRS)
-    assert report["pairs_equal_halves"], report
+def test_geglu_pass_rounds_as_the_eager_path():
     # Against torch's ops at the same rounding points: the tanh's formula differs in the last fp32
     # bits, which may move a product by one fp16 step (products within |64| here: at most 2**-5; the
-    # observed is 3.6e-7); a wrong column is off by the products' own size.
+    # observed is 3.6e-7); a gate and up from the wrong columns are off by the products' own size.
+    report = interpreted_report(GEGLU)
     assert report["vs_eager"] <= 2**-5, report

@@ -205,7 +205,7 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
 GRAPH_BATCHES = ("all", "ladder")
-PREFIX_MLPS = ("cublas", "quack")
+GEMM_LIBRARIES = ("cublas", "quack")
 
 
 def graph_batch_sizes(mode: str, limit: int) -> tuple[int, ...]:
@@ -249,9 +249,10 @@ class RuntimeConfig:
     graph_batches: str = _option("all", "SIZES", "CUDA graphs captured at startup: all (every batch size up to "
                                                  "the limit) or ladder (1, 2, 4, 8: other sizes run padded to the "
                                                  "next; less graph memory)")
-    prefix_mlp: str = _option("cublas", "KERNEL", "the prefix's gate/up + GeGLU on CUDA: cublas (a GEMM, then a GeGLU "
-                                                  "pass) or quack (one kernel, the same bits, ~2.5 ms less a batch-8 call on "
-                                                  "an H200; Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
+    gemm_library: str = _option("cublas", "LIBRARY", "CUDA, batch 2 and up: cublas, or quack (CuTe DSL) for the prefix's "
+                                                      "and SigLIP's GEMMs where it is faster, with their GeGLU / GELU in "
+                                                      "the epilogue: the same bits (Hopper+, pip install 'vlaserve[cute]'; "
+                                                      "docs/gpu.md)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
 
@@ -277,8 +278,8 @@ class RuntimeConfig:
              f"graph_batches must be one of {', '.join(GRAPH_BATCHES)}, not {self.graph_batches!r}"),
             (self.weights_loader in WEIGHT_LOADERS,
              f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}, not {self.weights_loader!r}"),
-            (self.prefix_mlp in PREFIX_MLPS,
-             f"prefix_mlp must be one of {', '.join(PREFIX_MLPS)}, not {self.prefix_mlp!r}"),
+            (self.gemm_library in GEMM_LIBRARIES,
+             f"gemm_library must be one of {', '.join(GEMM_LIBRARIES)}, not {self.gemm_library!r}"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
             (self.prompt_buckets == "auto" or all(b >= 1 for b in self.prompt_buckets),

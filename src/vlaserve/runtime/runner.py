@@ -156,14 +156,14 @@ class Runtime:
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
         if runtime.fast_path and device.type == "cuda":
             self._start_fast_path(model, background=runtime.warmup == "background")  # both families
-        elif runtime.prefix_mlp != "cublas":
-            raise ConfigError(f"prefix_mlp {runtime.prefix_mlp!r} runs on the CUDA fast path only")
+        elif runtime.gemm_library != "cublas":
+            raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
 
     def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
         from .fast.graphs import FastRunner
 
         fast = FastRunner(model, self.config, max_graph_batch=self.settings.profile.max_graph_batch,
-                          device_lock=self.device_lock, layer_stream=self.offload, prefix_mlp=self.settings.prefix_mlp)
+                          device_lock=self.device_lock, layer_stream=self.offload, gemm_library=self.settings.gemm_library)
         if not background:
             self._warm_up(fast)
             self.runner, self.fast_path = fast, True

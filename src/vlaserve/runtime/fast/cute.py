@@ -1,19 +1,19 @@
-"""The prefix's gate/up GEMM with the GeGLU in its epilogue, through quack (CuTe DSL): `--prefix-mlp quack`.
+"""quack's GEMMs (CuTe DSL) for the prefix and SigLIP, with their activations in the epilogue:
+`--gemm-library quack`.
 
-The served default is cuBLAS for the GEMM, then our GeGLU pass over its bf16 output. quack's
-GEMM does the same products in the same order (bit-identical outputs, runs 102-104), and its
-epilogue here rounds where the eager path does:
-- gate and up rounded to bf16, as cuBLAS stores them;
+The served default is cuBLAS for every GEMM, then our GeGLU / GELU pass over its bf16 output.
+quack's GEMM does the same products in the same order (bit-identical outputs, runs 102-104), and
+its epilogues here round where the eager path does:
+- the GEMM's output (+ bias) rounded to bf16, as cuBLAS stores it;
 - GELU (tanh form, with tanh as our Triton kernel takes it) rounded to bf16;
-- the product rounded to bf16 by the store.
+- for the GeGLU, the product of that and the up half rounded to bf16 by the store.
 So no output element differs from the served path's or from torch's eager ops. Runs 105-107
-checked all 113M elements of a batch-8 layer, and 14M at batch 1. The pass's HBM round trip is
-gone: a batch-8 layer takes 1154 against 1331 µs on an H200.
+checked all 113M elements of a batch-8 gate/up layer, and 14M at batch 1; the pass's HBM round
+trip is gone (1154 against 1331 us a batch-8 layer on an H200).
 
-The weight's gate and up rows are interleaved at load (weights.py), because quack's gated
-epilogue pairs adjacent output columns. Batch 1 runs cuBLAS and the GeGLU pass over that layout,
-where quack's GEMM is slower (FROM_BATCH). Needs `pip install 'vlaserve[cute]'` and a Hopper (or
-newer) GPU.
+Each GEMM takes quack from the row count where it measured faster (FROM_ROWS); below that the
+default path runs unchanged, on the same weights. Needs `pip install 'vlaserve[cute]'` and a Hopper
+(or newer) GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ import torch
 
 from ...errors import ConfigError
 
-ACTIVATION = "vlaserve_geglu"
-# Run 109 (bench/prefix_mlp.py, H200, calls in CUDA graphs, ms): b1 14.26 -> 14.64, b2 23.18 -> 22.54,
-# b4 38.57 -> 37.48, b8 70.26 -> 67.57. So batch 1 keeps cuBLAS + the GeGLU pass (over the pairs layout).
-FROM_BATCH = 2
+GEGLU, GELU = "vlaserve_geglu", "vlaserve_gelu"
+# The fewest rows (tokens of the whole batch) from which quack's kernel beat cuBLAS's (+ our pass),
+# at that batch size and every larger one: runs 112 and 113 (`python3 bench/gemm_library.py`, H200,
+# each GEMM over its layers in a CUDA graph; ALOHA-3 with the 96-token bucket, 864 prefix and 768
+# SigLIP rows a sample) measured the same thresholds. Absent: cuBLAS at every size (the prefix's o;
+# and the expert's GEMMs, 50 rows a sample, which quack ran 1.5-1.8x slower at batch 4 and 8).
+FROM_ROWS = {"prefix_gate_up": 2 * 864, "prefix_qkv": 4 * 864, "vision_fc1": 4 * 768, "vision_qkv": 8 * 768,
+             "vision_o": 8 * 768}
 # quack's epilogue registry and its closure keying (patched below) are internals: pinned versions.
 PINNED = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}
 
@@ -39,32 +43,47 @@ def require(device: torch.device) -> None:
         try:
             found = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
-            raise ConfigError(f"prefix_mlp 'quack' needs {package}=={version}: pip install 'vlaserve[cute]' "
-                              "(or serve with --prefix-mlp cublas)") from None
+            raise ConfigError(f"gemm_library 'quack' needs {package}=={version}: pip install 'vlaserve[cute]' "
+                              "(or serve with --gemm-library cublas)") from None
         if found != version:
-            raise ConfigError(f"prefix_mlp 'quack' is built against {package}=={version}, found {found}: "
+            raise ConfigError(f"gemm_library 'quack' is built against {package}=={version}, found {found}: "
                               "pip install 'vlaserve[cute]'")
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise ConfigError("prefix_mlp 'quack' runs on Hopper or newer GPUs (sm90+) only")
+        raise ConfigError("gemm_library 'quack' runs on Hopper or newer GPUs (sm90+) only")
 
 
-def geglu_linear(x2d: torch.Tensor, w_pairs: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W_pairs [2M, K] with gate row i at 2i, up at 2i + 1
-    (after `register`)."""
+def linear(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) [R, N] bf16, W [N, K]: F.linear's bits."""
+    from quack.gemm_interface import gemm
+
+    return gemm(x2d, w.t(), bias=bias, tuned=False)
+
+
+def linear_gelu(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ W^T + bias) [R, N] bf16: SigLIP's fc1 and the GELU after it (after `register`)."""
     from quack.gemm_interface import gemm_act
 
-    return gemm_act(x2d, w_pairs.t(), activation=ACTIVATION, store_preact=False, tuned=False)[1]
+    return gemm_act(x2d, w.t(), bias=bias, activation=GELU, store_preact=False, tuned=False)[1]
+
+
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W = [Wg; Wu] [2M, K] (after `register`). quack's
+    concat layout reads the halves as (gate_i, up_i) pairs: as fast as interleaved rows (run 113)."""
+    from quack.gemm_interface import gemm_act
+
+    return gemm_act(x2d, w_gate_up.t(), activation=GEGLU, store_preact=False, tuned=False, concat_layout=("B",))[1]
 
 
 @functools.cache
 def register() -> None:
-    """Registers the epilogue with quack (once a process)."""
+    """Registers the epilogues with quack (once a process)."""
     from quack import activation, gemm_interface
 
     _key_closures_by_name()
     ops = epilogue_ops()
-    activation.gate_fn_map[ACTIVATION] = ops.gated(ops.gelu_served, rounded=True)
-    gemm_interface.gated_to_pytorch_fn_map[ACTIVATION] = gemm_interface.gated_to_pytorch_fn_map["geglu"]
+    activation.gate_fn_map[GEGLU] = ops.gated(ops.gelu_served, rounded=True)
+    gemm_interface.gated_to_pytorch_fn_map[GEGLU] = gemm_interface.gated_to_pytorch_fn_map["geglu"]
+    activation.act_fn_map[GELU] = ops.rounded(ops.gelu_served)
 
 
 def _key_closures_by_name() -> None:
@@ -90,9 +109,10 @@ def _key_closures_by_name() -> None:
 
 @functools.cache
 def epilogue_ops():
-    """The epilogue's pieces, built on first use (the DSL takes seconds to import). `gated(gelu,
-    rounded)` is a quack gate function over pairs of (gate, up) columns; bench/cute_probe.py
-    builds its variants from the same pieces."""
+    """The epilogues' pieces, built on first use (the DSL takes seconds to import). `gated(gelu,
+    rounded)` is a quack gate function over pairs of (gate, up) columns, `rounded(act)` an
+    activation at the eager rounding points; bench/cute_probe.py builds its variants from the same
+    pieces."""
     from types import SimpleNamespace
 
     from cutlass import Float32, const_expr
@@ -142,4 +162,15 @@ def epilogue_ops():
             return gate_pair((x, x), (y, y))[0]
         return gate
 
-    return SimpleNamespace(gelu_served=gelu_served, gated=gated)
+    def rounded(act):
+        # x (the GEMM's fp32 sum + bias) rounded to bf16 first, as cuBLAS stores it; then act, rounded
+        # again (the store rounds once more: a no-op on a bf16 value). Pairs when quack hands them over.
+        @dsl_user_op
+        def fn(x, *, loc=None, ip=None):
+            if const_expr(isinstance(x, tuple)):
+                r = round_pair(*x)
+                return round_pair(act(r[0]), act(r[1]))
+            return round_pair(act(round_pair(x, x)[0]), 0.0)[0]
+        return fn
+
+    return SimpleNamespace(gelu_served=gelu_served, gated=gated, rounded=rounded)

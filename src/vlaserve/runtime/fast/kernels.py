@@ -170,16 +170,13 @@ if triton is not None:
         tl.store(y_ptr + offs, gelu_tanh(x).to(y_ptr.dtype.element_ty), mask=offs < n)
 
     @triton.jit
-    def _geglu_rows(x_ptr, y_ptr, M, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
-        # x [R, 2M] = [gate | up] (or PAIRS: gate_i, up_i adjacent) -> y [R, M] = gelu_tanh(gate) * up,
-        # rounding as the eager path.
+    def _geglu_rows(x_ptr, y_ptr, M, BLOCK: tl.constexpr):
+        # x [R, 2M] = [gate | up] -> y [R, M] = gelu_tanh(gate) * up, rounding as the eager path.
         row, pid = tl.program_id(0), tl.program_id(1)
         cols = pid * BLOCK + tl.arange(0, BLOCK)
         mask = cols < M
-        gate_at = row * 2 * M + (2 * cols if PAIRS else cols)
-        up_at = gate_at + (1 if PAIRS else M)
-        g = tl.load(x_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + row * 2 * M + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
         act = gelu_tanh(g).to(y_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -606,13 +603,12 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def geglu(gate_up: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-    """gate_up [R, 2M]: gate columns then up columns, or with `pairs` gate_i and up_i adjacent."""
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     r, two_m = gate_up.shape
     m = two_m // 2
     out = torch.empty(r, m, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, PAIRS=pairs, num_warps=4)
+    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, num_warps=4)
     return out
 
 

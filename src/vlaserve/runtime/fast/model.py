@@ -50,8 +50,9 @@ class FastPi05:
     # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
     FUSED_ACTION_IO = True
 
-    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, prefix_mlp: str = "cublas"):
-        """prefix_mlp: "cublas" (cuBLAS, then our GeGLU pass) or "quack" (cute.py: one kernel, the same bits)."""
+    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas"):
+        """gemm_library: "cublas", or "quack" for the prefix's and SigLIP's GEMMs where cute.FROM_ROWS
+        says it is faster, with their activations in the epilogue (cute.py: the same bits)."""
         self.model = model
         self.layer_stream = layer_stream
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
@@ -59,20 +60,30 @@ class FastPi05:
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
-        quack = prefix_mlp == "quack"  # then self.w.gate_up_pairs
-        if quack:
+        self.quack = gemm_library == "quack"
+        if self.quack:
+            # The offload profile's prefix waits on its weights' copies, not on its GEMMs.
             if not self._prefix_on_triton() or layer_stream is not None:
-                raise ConfigError("prefix_mlp 'quack' needs the Triton fast path (bfloat16, CUDA) and no offload")
+                raise ConfigError("gemm_library 'quack' needs the Triton fast path (bfloat16, CUDA) and a memory "
+                                  "profile other than offload")
             cute.require(model.action_in_proj.weight.device)
             cute.register()
         if layer_stream is None:
-            self.w = FusedWeights.of(model, gate_up_pairs=quack)
+            self.w = FusedWeights.of(model)
         else:
             with layer_stream.slot_views():
                 self.w = FusedWeights.of(model, views_only=True)
 
     def _prefix_on_triton(self) -> bool:
         return self.use_triton and self.vlm_dims.width & (self.vlm_dims.width - 1) == 0
+
+    def _on_quack(self, gemm: str, x2d: torch.Tensor) -> bool:
+        from_rows = cute.FROM_ROWS.get(gemm)  # absent: cuBLAS at every size
+        return self.quack and from_rows is not None and x2d.shape[0] >= from_rows
+
+    def _linear(self, gemm: str, x2d, w, bias=None) -> torch.Tensor:
+        """x2d @ w^T (+ bias) through quack where it is faster (gemm_library "quack"), else cuBLAS: the same bits."""
+        return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else F.linear(x2d, w, bias)
 
     def schedule(self, num_steps: int) -> TimeSchedule:
         if num_steps not in self._schedules:
@@ -130,10 +141,15 @@ class FastPi05:
         y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps)
         for i, (lyr, (qkv_w, qkv_b), next_ln) in enumerate(zip(vis.layers, self.w.vision_qkv, norms)):
             self._enter("vision", i)
-            attn = self._vision_attention(F.linear(y, qkv_w, qkv_b), n, p)
-            ln = lyr.layer_norm2
-            y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, delta=lyr.self_attn.out_proj(attn))
-            mlp = lyr.mlp.fc2(kernels.gelu(lyr.mlp.fc1(y)))
+            attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
+            ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
+            y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
+                                            delta=self._linear("vision_o", attn, out_proj.weight, out_proj.bias))
+            if self._on_quack("vision_fc1", y):
+                act = cute.linear_gelu(y, fc1.weight, fc1.bias)
+            else:
+                act = kernels.gelu(fc1(y))
+            mlp = lyr.mlp.fc2(act)
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
@@ -199,15 +215,18 @@ class FastPi05:
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
             if i == len(layers) - 1:  # the last layer's queries, attention and MLP feed nothing we use
-                kernels.qkv_rope_into_cache(F.linear(y, lw.qkv[q_rows:]), cos_half, sin_half, *kv, 0, plen)
+                kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv[q_rows:]), cos_half, sin_half,
+                                            *kv, 0, plen)
                 break
-            q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *kv, dims.num_heads, plen)
+            q = kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv), cos_half, sin_half, *kv,
+                                            dims.num_heads, plen)
             attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
-            y = kernels.residual_norm(h2d, lw.norm2, delta=F.linear(attn.view(b * plen, -1), lw.o), eps=eps)
-            if self.w.gate_up_pairs and b >= cute.FROM_BATCH:
+            y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
+                                      eps=eps)
+            if self._on_quack("prefix_gate_up", y):
                 act = cute.geglu_linear(y, lw.gate_up)
             else:
-                act = kernels.geglu(F.linear(y, lw.gate_up), pairs=self.w.gate_up_pairs)
+                act = kernels.geglu(F.linear(y, lw.gate_up))
             down = F.linear(act, lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 

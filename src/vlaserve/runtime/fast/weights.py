@@ -42,20 +42,11 @@ def _fuse(*linears, bias: bool = False, views_only: bool = False) -> torch.Tenso
     return fused
 
 
-def _interleave(gate, up) -> torch.Tensor:
-    """[gate_0; up_0; gate_1; up_1; ...] as one tensor whose even and odd rows the two layers'
-    weights then are (strided views: still the only copy). cute.py's GEMM pairs adjacent columns."""
-    g, u = gate.weight.data, up.weight.data
-    fused = torch.stack([g, u], dim=1).reshape(2 * g.shape[0], *g.shape[1:])
-    gate.weight.data, up.weight.data = fused[0::2], fused[1::2]
-    return fused
-
-
 @dataclass
 class LayerWeights:
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, W]
     o: torch.Tensor
-    gate_up: torch.Tensor  # [2 M, W]: gate rows then up rows, or pairs (FusedWeights.gate_up_pairs)
+    gate_up: torch.Tensor  # [2 M, W]
     down: torch.Tensor
     norm1: torch.Tensor | None  # (1 + w), fp32; None for the AdaRMS expert
     norm2: torch.Tensor | None
@@ -63,29 +54,18 @@ class LayerWeights:
 
 class FusedWeights:
     @staticmethod
-    def of(model: Pi05Model, views_only: bool = False, gate_up_pairs: bool = False) -> "FusedWeights":
-        """One fusion per model and layout: a second engine on the same model shares it instead of
-        copying (an engine with the other prefix gate/up layout packs its own, and the model's
-        parameters become views of the latest)."""
-        fusions = model.__dict__.setdefault("_fused_weights", {})
-        if gate_up_pairs not in fusions:
-            fusions[gate_up_pairs] = FusedWeights(model, views_only, gate_up_pairs)
-        return fusions[gate_up_pairs]
+    def of(model: Pi05Model, views_only: bool = False) -> "FusedWeights":
+        """One fusion per model: a second engine on the same model shares it instead of copying."""
+        if getattr(model, "_fused_weights", None) is None:
+            model._fused_weights = FusedWeights(model, views_only)
+        return model._fused_weights
 
-    def __init__(self, model: Pi05Model, views_only: bool = False, gate_up_pairs: bool = False):
-        """gate_up_pairs: the prefix's gate/up rows interleaved (cute.geglu_linear's layout); the
-        offload profile's slots hold them back to back, so not with views_only."""
-        if views_only and gate_up_pairs:
-            raise ValueError("the offload profile streams gate and up back to back: no interleaved layout")
-        self.gate_up_pairs = gate_up_pairs
-
+    def __init__(self, model: Pi05Model, views_only: bool = False):
         def layer(lyr, ada: bool) -> LayerWeights:
             a, m = lyr.self_attn, lyr.mlp
-            pairs = gate_up_pairs and not ada
             return LayerWeights(
                 qkv=_fuse(a.q_proj, a.k_proj, a.v_proj, views_only=views_only and not ada), o=a.o_proj.weight,
-                gate_up=_interleave(m.gate_proj, m.up_proj) if pairs else _fuse(m.gate_proj, m.up_proj,
-                                                                                views_only=views_only and not ada),
+                gate_up=_fuse(m.gate_proj, m.up_proj, views_only=views_only and not ada),
                 down=m.down_proj.weight,
                 norm1=None if ada else (1.0 + lyr.input_layernorm.weight.float()),
                 norm2=None if ada else (1.0 + lyr.post_attention_layernorm.weight.float()))
