@@ -214,7 +214,7 @@ def geglu_case(rows: int, tuned: bool) -> dict:
     for name in ("geglu_eager", "geglu_fast_rounded", "geglu_served_unrounded"):
         variants[f"quack_gemm_{name}"] = lambda name=name: gemm_act(x, w_pairs.t(), activation=name,
                                                                     store_preact=False, tuned=False)[1]
-    variants["served_quack"] = lambda: cute.geglu_linear(x, w_pairs)  # --gemm-library quack
+    variants["served_quack"] = lambda: cute.geglu_linear(x, w)  # --gemm-library quack: the halves, concat layout
     if tuned:
         variants["served_quack_tuned"] = lambda: gemm_act(x, w_pairs.t(), activation=cute.GEGLU,
                                                           store_preact=False, tuned=True)[1]

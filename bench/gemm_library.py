@@ -14,6 +14,9 @@
    quack with cute.FROM_ROWS as committed and, when part 1 measured other thresholds, with those.
    Their actions (which must be bit-identical), max|Δ| vs the fp32 eager model, p50 ms of a call
    and its prefix and denoise stages.
+3. As a user loads it: the golden (tiny) checkpoint through Policy.from_pretrained in bf16 with each
+   library, its first case's observations repeated to batch 1, 2 and 8 (warm-up captures the graphs,
+   quack compiles): whether the actions are bit-identical.
 JSON under bench/results/ (gemm_library.json) and --out.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +138,33 @@ def measured_from_rows(rows: list[dict]) -> dict[str, int]:
     return out
 
 
+def policy_check() -> dict:
+    import numpy as np
+
+    from bench_gpu import GOLDEN
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    golden = Path(GOLDEN)
+    case = GoldenCase.load(case_dirs(golden)[0])
+    obs, noise = case.observations(), list(case.tensors["input.noise"])
+    out: dict = {"case": case.name}
+    policies = {}
+    for library in ("cublas", "quack"):
+        t0 = time.perf_counter()
+        policies[library] = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="bfloat16",
+                                                   progress=False, gemm_library=library)
+        out[f"{library}_load_s"] = time.perf_counter() - t0
+    for b in (1, 2, 8):
+        batch, z = [obs[i % len(obs)] for i in range(b)], [noise[i % len(noise)] for i in range(b)]
+        actions = {lib: [r.actions for r in p.infer_batch(batch, noise=z, num_steps=case.meta["num_steps"])]
+                   for lib, p in policies.items()}
+        out[f"b{b}_bit_identical"] = all(np.array_equal(a, c) for a, c in zip(actions["cublas"], actions["quack"]))
+    out["metadata_quack"] = {k: v for k, v in policies["quack"].metadata.items() if isinstance(v, (str, int, bool))}
+    log("policy check:", json.dumps(out, default=str))
+    return out
+
+
 def main():
     args, results, save = bench_run("gemm_library", {"calls_only": "skip part 1 (the GEMMs alone)"})
     started = time.time()
@@ -194,6 +225,14 @@ def main():
         log(f"b={b}:", json.dumps(row))
         results["calls"][b], results["elapsed_s"] = row, time.time() - started
         save()  # after each batch size: a run cut short keeps what it measured
+    del runners
+    torch.cuda.empty_cache()
+    try:
+        results["policy"] = policy_check()
+    except Exception as exc:
+        traceback.print_exc()
+        results["policy"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    save()
 
 
 if __name__ == "__main__":
