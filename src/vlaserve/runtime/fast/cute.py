@@ -27,10 +27,11 @@ from ...errors import ConfigError
 
 GEGLU, GELU = "vlaserve_geglu", "vlaserve_gelu"
 # The fewest rows (tokens of the whole batch) from which quack's kernel beat cuBLAS's (+ our pass),
-# at that batch size and every larger one: runs 112 and 113 (`python3 bench/gemm_library.py`, H200,
-# each GEMM over its layers in a CUDA graph; ALOHA-3 with the 96-token bucket, 864 prefix and 768
-# SigLIP rows a sample) measured the same thresholds. Absent: cuBLAS at every size (the prefix's o;
-# and the expert's GEMMs, 50 rows a sample, which quack ran 1.5-1.8x slower at batch 4 and 8).
+# at that batch size and every larger one: runs 112, 113 and 115 (`python3 bench/gemm_library.py`,
+# H200, each GEMM over its layers in a CUDA graph; ALOHA-3 with the 96-token bucket, 864 prefix and
+# 768 SigLIP rows a sample) measured the same thresholds, but for fc1 at batch 4 (+14, +52, -1 us a
+# call). Absent: cuBLAS at every size (the prefix's o; and the expert's GEMMs, 50 rows a sample,
+# which quack ran 1.5-1.8x slower at batch 4 and 8).
 FROM_ROWS = {"prefix_gate_up": 2 * 864, "prefix_qkv": 4 * 864, "vision_fc1": 4 * 768, "vision_qkv": 8 * 768,
              "vision_o": 8 * 768}
 # quack's epilogue registry and its closure keying (patched below) are internals: pinned versions.
@@ -68,7 +69,7 @@ def linear_gelu(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch
 
 def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W = [Wg; Wu] [2M, K] (after `register`). quack's
-    concat layout reads the halves as (gate_i, up_i) pairs: as fast as interleaved rows (run 113)."""
+    concat layout reads the halves as (gate_i, up_i) pairs: as fast as interleaved rows (runs 113, 115)."""
     from quack.gemm_interface import gemm_act
 
     return gemm_act(x2d, w_gate_up.t(), activation=GEGLU, store_preact=False, tuned=False, concat_layout=("B",))[1]
