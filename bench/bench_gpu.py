@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from vlaserve.checkpoint.weights import random_model, to_lerobot_name  # noqa: E402
-from vlaserve.config import ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
+from vlaserve.config import GEMM_LIBRARIES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
 from vlaserve.model.pi05 import Pi05Model  # noqa: E402
 from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 from vlaserve.types import ModelInputs  # noqa: E402
@@ -468,7 +468,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--golden", default=GOLDEN, help="golden fixture folder (default: unpacked from tests/data)")
     ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
-    ap.add_argument("--gemm-library", default="cublas", choices=("cublas", "quack"),
+    ap.add_argument("--gemm-library", default="cublas", choices=GEMM_LIBRARIES,
                     help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
