@@ -85,16 +85,15 @@ if triton is not None:
         tl.store(out, acc, mask=(rows[:, None] < R) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, k_start, k_end, stride_x, stride_w,
+    def _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, offset, R, K, stride_x, stride_w,
                                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PDL: tl.constexpr):
-        """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T over k in [k_start, k_end), in fp32,
-        sharing each x tile: the gate and up halves of a GeGLU, or the two halves of RoPE pairs
-        (after waiting for the inputs)."""
+        """x[rows] @ w[cols]^T and x[rows] @ w[cols + offset]^T in fp32, sharing each x tile: the gate
+        and up halves of a GeGLU, or the two halves of RoPE pairs (after waiting for the inputs)."""
         _await_inputs(PDL)
         acc_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rows[:, None] < R, other=0.0)
             w_a = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :])
@@ -104,53 +103,13 @@ if triton is not None:
         return acc_a, acc_b
 
     @triton.jit
-    def _last_split_sums(acc_a, acc_b, p_ptr, counter_ptr, tile, split, SPLITS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Split-K without a second kernel: each of a tile's SPLITS programs writes its two fp32
-        partial sums, then counts itself in; the last to arrive (whichever it is) sums all SPLITS
-        partials in split order, so the result does not depend on who arrives last, and resets the
-        tile's counter for the next use. Returns (is_last, the sums: valid in the last program only).
-        The barrier and the release make every thread's partials visible before the count (the
-        pattern bench/persistent_probe.py's barrier check verified); the acquire, the others'
-        partials to the last program, whose loads bypass L1 (.cg)."""
-        offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        size: tl.constexpr = BLOCK_R * BLOCK_N
-        mine = p_ptr + (tile * SPLITS + split) * 2 * size
-        tl.store(mine + offs, acc_a)
-        tl.store(mine + size + offs, acc_b)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        is_last = arrived == SPLITS - 1
-        sum_a = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        sum_b = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-        if is_last:
-            for s in tl.static_range(SPLITS):
-                part = p_ptr + (tile * SPLITS + s) * 2 * size
-                sum_a += tl.load(part + offs, cache_modifier=".cg")
-                sum_b += tl.load(part + size + offs, cache_modifier=".cg")
-            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-        return is_last, sum_a, sum_b
-
-    @triton.jit
-    def _geglu_gemm(x_ptr, w_ptr, o_ptr, p_ptr, counter_ptr, R, M, K_SPLIT, stride_x, stride_w,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                    PDL: tl.constexpr):
-        pid, split = tl.program_id(0), tl.program_id(2)
+    def _geglu_gemm(x_ptr, w_ptr, o_ptr, R, M, K, stride_x, stride_w,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, split * K_SPLIT, (split + 1) * K_SPLIT,
-                                               stride_x, stride_w, BLOCK_R, BLOCK_N, BLOCK_K, PDL)
-        if SPLITS == 1:
-            _geglu_store(acc_g, acc_u, o_ptr, rows, cols, R, M)
-        else:
-            tile = pid * tl.num_programs(1) + tl.program_id(1)
-            is_last, acc_g, acc_u = _last_split_sums(acc_g, acc_u, p_ptr, counter_ptr, tile, split, SPLITS,
-                                                     BLOCK_R, BLOCK_N)
-            if is_last:
-                _geglu_store(acc_g, acc_u, o_ptr, rows, cols, R, M)
-
-    @triton.jit
-    def _geglu_store(acc_g, acc_u, o_ptr, rows, cols, R, M):
+        acc_g, acc_u = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, M, R, K, stride_x, stride_w,
+                                               BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         # Same rounding points as the eager path: each GEMM output is bf16 before the GeGLU.
         g = acc_g.to(o_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(o_ptr.dtype.element_ty).to(tl.float32)
@@ -222,38 +181,19 @@ if triton is not None:
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, p_ptr, counter_ptr, R, K_SPLIT, H,
-                       stride_x, stride_w, k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
+                       k_batch_stride, q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # Each program owns BLOCK_N rotary pairs (d, d + HALF) of one head slot (q heads, then k,
-        # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue
-        # (with SPLITS > 1, in the last of the tile's K splits to finish).
-        pid, split = tl.program_id(0), tl.program_id(2)
+        # then v), so RoPE and the scatter into q / the K/V cache happen in the GEMM's epilogue.
+        pid = tl.program_id(0)
         per_head = HALF // BLOCK_N
         slot, j = pid // per_head, pid % per_head
         d = j * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = slot * 2 * HALF + d
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, split * K_SPLIT,
-                                                 (split + 1) * K_SPLIT, stride_x, stride_w, BLOCK_R, BLOCK_N, BLOCK_K,
-                                                 PDL)
-        if SPLITS == 1:
-            _rope_store(acc_lo, acc_hi, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows, slot, d, R, H, k_batch_stride,
-                        q_batch_stride, HQ, HALF)
-        else:
-            tile = pid * tl.num_programs(1) + tl.program_id(1)
-            is_last, acc_lo, acc_hi = _last_split_sums(acc_lo, acc_hi, p_ptr, counter_ptr, tile, split, SPLITS,
-                                                       BLOCK_R, BLOCK_N)
-            if is_last:
-                _rope_store(acc_lo, acc_hi, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows, slot, d, R, H,
-                            k_batch_stride, q_batch_stride, HQ, HALF)
-
-    @triton.jit
-    def _rope_store(acc_lo, acc_hi, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows, slot, d, R, H, k_batch_stride,
-                    q_batch_stride, HQ: tl.constexpr, HALF: tl.constexpr):
-        # The pairs' sums rounded to bf16, rotated (q and k) at the eager path's rounding points, and
-        # scattered: q head-major, k and v into the cache.
+        acc_lo, acc_hi = _gemm_two_column_blocks(x_ptr, w_ptr, rows, cols, HALF, R, K, stride_x, stride_w,
+                                                 BLOCK_R, BLOCK_N, BLOCK_K, PDL)
         dt = q_ptr.dtype.element_ty
         lo = acc_lo.to(dt).to(tl.float32)
         hi = acc_hi.to(dt).to(tl.float32)
@@ -481,9 +421,10 @@ TUNING = {
         # From 65 rows (batch 2 of a 50-step chunk), 200 (batch 4) and 400 (batch 8). block_n
         # None: the widest column tile (16..128) that still gives every SM a program across the
         # row tiles; warps None: 8 from 64-column tiles on.
+        # (65 rows: geglu and qkv take 128-deep K tiles since run 120, denoise 8.25 -> 8.07 ms at batch 2.)
         65: {"splitk": {"block_r": 64, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
-             "geglu": {"block_r": 64, "block_n": 32, "block_k": 64, "warps": 4, "stages": 3},
-             "qkv": {"block_r": 64, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}},
+             "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 3},
+             "qkv": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 8, "stages": 4}},
         200: {"splitk": {"block_r": 128, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 8, "stages": 4},
               "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
               "qkv": {"block_r": 128, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}},
@@ -613,49 +554,17 @@ def supported(dims) -> bool:
             and dims.head_dim % 32 == 0)
 
 
-def split_counters(device) -> torch.Tensor:
-    """Zeroed arrival counters for the GEMMs that reduce their K splits in their last program
-    (`counters` of geglu_linear and qkv_rope_into_cache): one per output tile, back to zero after
-    each use, so that one set serves the kernels of a stream one after another (an expert step)."""
-    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-
-
-MAX_SPLIT_TILES = 1024
-
-
-def needs_split_counters(rows: int) -> bool:
-    """Whether the GeGLU or qkv GEMM splits K at this row count (then it needs split_counters())."""
-    return any(_launch(family, rows, 1)[0].get("splits", 1) > 1 for family in ("geglu", "qkv"))
-
-
-def _split_buffers(cfg: dict, tiles: int, block_r: int, k: int, counters, device):
-    """(splits, K per split, fp32 partials, counters) of a two-column-block GEMM (GeGLU, qkv)."""
-    splits = cfg.get("splits", 1)
-    if splits == 1:
-        return 1, k, None, None
-    if k % (splits * cfg["block_k"]) or tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"{splits} K splits of {k} in blocks of {cfg['block_k']}, or {tiles} tiles: no such launch")
-    if counters is None:
-        counters = split_counters(device)
-    partials = torch.empty(tiles * splits * 2 * block_r * cfg["block_n"], dtype=torch.float32, device=device)
-    return splits, k // splits, partials, counters
-
-
-def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16. counters:
-    split_counters() (allocated here if None and the launch splits K)."""
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16."""
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
     cfg, block_r = _launch("geglu", r, m)
-    grid = (triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))
-    splits, k_split, partials, counters = _split_buffers(cfg, grid[0] * grid[1], block_r, k, counters, x2d.device)
     pdl = pdl_enabled()
-    _geglu_gemm[grid + (splits,)](
-        x2d, w_gate_up, out, out if partials is None else partials, out if counters is None else counters, r, m,
-        k_split, x2d.stride(0), w_gate_up.stride(0), BLOCK_R=block_r, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], SPLITS=splits, PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **_pdl_launch(pdl))
+    _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
+        x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
+        BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
     return out
 
 
@@ -704,13 +613,11 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        counters: torch.Tensor | None = None) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
-    projection then runs as a GEMM here, its K split as TUNING says; counters: split_counters(),
-    allocated here if None and needed). cos/sin: [R, D / 2] fp32, R = B * tokens.
+    projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
     num_heads 0: qkv holds only k and v (a layer whose queries are not needed).
     """
@@ -722,13 +629,10 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     if w_qkv is not None:
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
-        splits, k_split, partials, counters = _split_buffers(cfg, grid[0] * grid[1], block_r, qkv.shape[1],
-                                                             counters, qkv.device)
-        _qkv_rope_gemm[grid + (splits,)](
-            qkv, w_qkv, cos, sin, q, k_out, v_out, q if partials is None else partials,
-            q if counters is None else counters, r, k_split, tokens, qkv.stride(0), w_qkv.stride(0), k_out.stride(0),
-            q.stride(0), HQ=num_heads, HALF=d // 2, BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            SPLITS=splits, PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
+        _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
+                             w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
+                             BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
+                             num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
                     HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),

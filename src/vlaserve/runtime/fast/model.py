@@ -288,8 +288,6 @@ class FastPi05:
         h2d = h.reshape(b * horizon, width).contiguous()
         y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
         cublas = {family: kernels.through_cublas(family, b) for family in kernels.EXPERT_GEMMS}
-        # One set of arrival counters for the step's GEMMs that reduce their K splits in place.
-        counters = kernels.split_counters(h.device) if kernels.needs_split_counters(b * horizon) else None
 
         def residual(family, x, w, gate, scale1p, shift):  # h += gate * x @ w^T, then AdaRMS(h)
             if cublas[family]:
@@ -301,16 +299,12 @@ class FastPi05:
             if cublas["qkv"]:
                 q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
             else:
-                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv,
-                                                counters=counters)
+                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
             attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
                                          kernels.attention_config(b))
             y = residual("o", attn.view(b * horizon, -1), lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1],
                          sched.shift[step, i, 1])
-            if cublas["gate_up"]:
-                act = kernels.geglu(F.linear(y, lw.gate_up))
-            else:
-                act = kernels.geglu_linear(y, lw.gate_up, counters)
+            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas["gate_up"] else kernels.geglu_linear(y, lw.gate_up)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
             else:
