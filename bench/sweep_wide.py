@@ -27,16 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from bench_gpu import STEPS, eager, log, make_inputs, maxdiff, time_cuda  # noqa: E402
+from bench_gpu import eager, log, make_inputs, maxdiff  # noqa: E402
 from kernel_ladder import bench_run, denoise_setup, time_denoise  # noqa: E402
-from tune_batches import HORIZON, sweep  # noqa: E402
+from tune_batches import HORIZON, full_call, sweep  # noqa: E402
 
 from vlaserve.runtime.fast import kernels  # noqa: E402
-from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 
 BATCHES = (8,)  # issue 14's target
 
@@ -97,17 +94,8 @@ def main():
                 table = copy.deepcopy(kernels.batched_config(b * HORIZON))
                 kernels.TUNING["batched"] = {1: {**table, "splitk": best[b]["splitk"]}}
                 kernels.TUNING["attention_batched"] = {**defaults["attention_batched"], b: best[b]["attention"]}
-            runner = FastRunner(model, policy_config)
-            out, _ = runner.sample(inputs, noise, STEPS, None)
-            again, _ = runner.sample(inputs, noise, STEPS, None)
-            stages = [runner.sample(inputs, noise, STEPS, None)[1] for _ in range(10)]
-            row[label] = {"p50_ms": time_cuda(lambda: runner.sample(inputs, noise, STEPS, None))["p50_ms"],
-                          "denoise_ms": sorted(s["denoise_ms"] for s in stages)[5],
-                          "vs_fp32": maxdiff(out, ref32), "vs_eager_bf16": maxdiff(out, ref16),
-                          "eager_bf16_vs_fp32": maxdiff(ref16, ref32),
-                          "repeat_bit_identical": bool(torch.equal(out, again))}
-            del runner
-            torch.cuda.empty_cache()
+            row[label] = {**full_call(model, policy_config, inputs, noise, ref32, ref16),
+                          "eager_bf16_vs_fp32": maxdiff(ref16, ref32)}
         log(f"call b{b}:", json.dumps(row))
         results["calls"][b] = row
         save()
