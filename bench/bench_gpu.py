@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from vlaserve.checkpoint.weights import random_model, to_lerobot_name  # noqa: E402
-from vlaserve.config import GEMM_LIBRARIES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
+from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
 from vlaserve.model.pi05 import Pi05Model  # noqa: E402
 from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
 from vlaserve.types import ModelInputs  # noqa: E402
@@ -470,10 +470,12 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
     ap.add_argument("--gemm-library", default="cublas", choices=GEMM_LIBRARIES,
                     help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
+    ap.add_argument("--attention-library", default="triton", choices=ATTENTION_LIBRARIES,
+                    help="the prefix's attention library (RuntimeConfig.attention_library)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "gemm_library": args.gemm_library, "workload": {
+                     "gemm_library": args.gemm_library, "attention_library": args.attention_library, "workload": {
         "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
         "horizon": HORIZON, "steps": STEPS}}
     started = time.time()
@@ -515,7 +517,7 @@ def main():
     policy_config = PolicyConfig(cfg, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
     variants = {
         "fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
-                                         gemm_library=args.gemm_library),
+                                         gemm_library=args.gemm_library, attention_library=args.attention_library),
         "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
         "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False),
     }
@@ -600,7 +602,8 @@ def main():
     from vlaserve.runtime.fast import kernels
 
     kernels.TUNING["pdl"] = False
-    plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library)
+    plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library,
+                       attention_library=args.attention_library)
     for b, (inp, noi) in ((1, (inputs, make_inputs(1, 10)[1])), (8, (inputs8, noise8))):
         plain.sample(inp, noi, STEPS, None)
         results[f"no_pdl_b{b}_p50_ms"] = time_cuda(lambda: served_call(plain, inp, noi))["p50_ms"]

@@ -49,11 +49,17 @@ def test_fast_path_math_matches_the_reference(fast_policy, case_dir):
     expected = torch.from_numpy(case.tensors["expected.actions_model"])
     # Same float32 function, other summation orders (fused GEMMs, SDPA): ~1e-6, as the eager path.
     assert (actions - expected).abs().max() < 1e-5
-    # Valid prefix K/V equal the reference's (absent cameras' slots are skipped, so not compared).
-    valid = pad[:, :, None]
+    # The cache holds each item's valid tokens first, in order (a token's row is its RoPE position),
+    # and the mask returned is that prefix; their K/V equal the reference's (absent cameras' slots
+    # are skipped, so the masked rows are not compared).
+    token_pad = torch.cat([inputs.image_masks.repeat_interleave(policy.model.vision.dims.num_patches, dim=1),
+                           inputs.token_mask], dim=1)
+    valid = token_pad.sum(1)
+    assert torch.equal(pad, torch.arange(plen)[None] < valid[:, None])
     for layer in range(layers):
         ref = torch.from_numpy(case.tensors[f"expected.prefix_kv.{layer}.key"])[:, 0]
-        assert ((k[layer, :, :plen] - ref).abs() * valid).max() < 1e-5
+        for i in range(b):
+            assert (k[layer, i, :valid[i]] - ref[i, token_pad[i]]).abs().max() < 1e-5
 
 
 def test_a_prompt_bucket_runs_on_views_of_the_full_length_buffers(fast_policy):

@@ -206,6 +206,7 @@ DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
 GRAPH_BATCHES = ("all", "ladder")
 GEMM_LIBRARIES = ("cublas", "quack")
+ATTENTION_LIBRARIES = ("triton", "fa4")
 
 
 def graph_batch_sizes(mode: str, limit: int) -> tuple[int, ...]:
@@ -253,6 +254,9 @@ class RuntimeConfig:
                                                       "and SigLIP's GEMMs where it is faster, with their GeGLU / GELU in "
                                                       "the epilogue: the same bits (Hopper+, pip install 'vlaserve[cute]'; "
                                                       "docs/gpu.md)")
+    attention_library: str = _option("triton", "LIBRARY", "CUDA: the prefix's attention through triton (ours), or fa4 "
+                                                           "(FlashAttention-4, CuTe DSL; faster from batch 1, most at 8; "
+                                                           "Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
 
@@ -280,6 +284,8 @@ class RuntimeConfig:
              f"weights_loader must be one of {', '.join(WEIGHT_LOADERS)}, not {self.weights_loader!r}"),
             (self.gemm_library in GEMM_LIBRARIES,
              f"gemm_library must be one of {', '.join(GEMM_LIBRARIES)}, not {self.gemm_library!r}"),
+            (self.attention_library in ATTENTION_LIBRARIES,
+             f"attention_library must be one of {', '.join(ATTENTION_LIBRARIES)}, not {self.attention_library!r}"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
             (self.prompt_buckets == "auto" or all(b >= 1 for b in self.prompt_buckets),

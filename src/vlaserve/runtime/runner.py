@@ -158,12 +158,15 @@ class Runtime:
             self._start_fast_path(model, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
+        elif runtime.attention_library != "triton":
+            raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
 
     def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
         from .fast.graphs import FastRunner
 
         fast = FastRunner(model, self.config, max_graph_batch=self.settings.profile.max_graph_batch,
-                          device_lock=self.device_lock, layer_stream=self.offload, gemm_library=self.settings.gemm_library)
+                          device_lock=self.device_lock, layer_stream=self.offload, gemm_library=self.settings.gemm_library,
+                          attention_library=self.settings.attention_library)
         if not background:
             self._warm_up(fast)
             self.runner, self.fast_path = fast, True

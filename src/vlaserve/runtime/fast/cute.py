@@ -40,17 +40,23 @@ PINNED = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}
 
 def require(device: torch.device) -> None:
     """Raises ConfigError unless the pinned quack and CUTLASS DSL are installed and `device` is sm90+."""
-    for package, version in PINNED.items():
+    require_pinned("gemm_library 'quack'", PINNED, device, "--gemm-library cublas")
+
+
+def require_pinned(option: str, pinned: dict[str, str], device: torch.device, default: str) -> None:
+    """Raises ConfigError unless every {package: version} of `pinned` is installed and `device` is sm90+.
+    option: what needs them ("gemm_library 'quack'"); default: the option that does without them."""
+    for package, version in pinned.items():
         try:
             found = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
-            raise ConfigError(f"gemm_library 'quack' needs {package}=={version}: pip install 'vlaserve[cute]' "
-                              "(or serve with --gemm-library cublas)") from None
+            raise ConfigError(f"{option} needs {package}=={version}: pip install 'vlaserve[cute]' "
+                              f"(or serve with {default})") from None
         if found != version:
-            raise ConfigError(f"gemm_library 'quack' is built against {package}=={version}, found {found}: "
+            raise ConfigError(f"{option} is built against {package}=={version}, found {found}: "
                               "pip install 'vlaserve[cute]'")
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise ConfigError("gemm_library 'quack' runs on Hopper or newer GPUs (sm90+) only")
+        raise ConfigError(f"{option} runs on Hopper or newer GPUs (sm90+) only")
 
 
 def linear(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -65,8 +65,10 @@ class FastRunner:
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
-                 max_graph_batch: int | None = None, device_lock=None, layer_stream=None, gemm_library: str = "cublas"):
-        self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library)
+                 max_graph_batch: int | None = None, device_lock=None, layer_stream=None, gemm_library: str = "cublas",
+                 attention_library: str = "triton"):
+        self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
+                               attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = model.action_in_proj.weight.device

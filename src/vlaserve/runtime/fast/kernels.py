@@ -215,13 +215,15 @@ if triton is not None:
         tl.store(base + HALF, hi.to(dt), mask=live)
 
     @triton.jit
-    def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, H, HQ: tl.constexpr,
+    def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
-                  k_batch_stride, q_batch_stride, PDL: tl.constexpr):
-        # One program per token: sum the split-K partials of its q/k/v row, rotate q and k.
+                  k_batch_stride, q_batch_stride, SLOTS: tl.constexpr, PDL: tl.constexpr):
+        # One program per token: sum the split-K partials of its q/k/v row, rotate q and k. Its
+        # K/V go to cache row slot[row] with SLOTS, else to its own token index.
         row = tl.program_id(0)
         _await_inputs(PDL)
         b, tok = row // H, row % H
+        kv_row = tl.load(slot_ptr + row) if SLOTS else tok
         n = (HQ + 2) * 2 * HALF
         heads = tl.arange(0, NQP)  # HQ query heads + k, padded to a power of two
         lo = heads[:, None] * 2 * HALF + tl.arange(0, HALF)[None, :]
@@ -249,13 +251,13 @@ if triton is not None:
         is_q = heads[:, None] < HQ
         tl.store(q_ptr + q_off, out_lo.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(q_ptr + q_off + HALF, out_hi.to(q_ptr.dtype.element_ty), mask=is_q)
-        kv_off = b * k_batch_stride + tok * 2 * HALF + d + heads[:, None] * 0
+        kv_off = b * k_batch_stride + kv_row * 2 * HALF + d + heads[:, None] * 0
         is_k = heads[:, None] == HQ
         tl.store(k_ptr + kv_off, out_lo.to(q_ptr.dtype.element_ty), mask=is_k)
         tl.store(k_ptr + kv_off + HALF, out_hi.to(q_ptr.dtype.element_ty), mask=is_k)
         vd = tl.arange(0, HALF)
-        tl.store(v_ptr + b * k_batch_stride + tok * 2 * HALF + vd, v_lo.to(q_ptr.dtype.element_ty))
-        tl.store(v_ptr + b * k_batch_stride + tok * 2 * HALF + vd + HALF, v_hi.to(q_ptr.dtype.element_ty))
+        tl.store(v_ptr + b * k_batch_stride + kv_row * 2 * HALF + vd, v_lo.to(q_ptr.dtype.element_ty))
+        tl.store(v_ptr + b * k_batch_stride + kv_row * 2 * HALF + vd + HALF, v_hi.to(q_ptr.dtype.element_ty))
 
     @triton.jit
     def _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2):
@@ -613,13 +615,16 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None) -> torch.Tensor:
+def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
+                        slots: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
     projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
     Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
     num_heads 0: qkv holds only k and v (a layer whose queries are not needed).
+    slots: [R] int32, the cache row of each token's K/V (a permutation of each item's rows); else
+    a token's own index. Not with `w_qkv`.
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]
@@ -627,6 +632,8 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
     pdl = pdl_enabled()
     if w_qkv is not None:
+        if slots is not None:
+            raise ValueError("qkv_rope_into_cache: slots need the projection's output, not w_qkv")
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
@@ -634,9 +641,9 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
                              BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
                              num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
         return q
-    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, r, tokens, HQ=num_heads, SPLITS=1,
-                    HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+    _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, q if slots is None else slots, r, tokens, HQ=num_heads,
+                    SPLITS=1, HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
+                    q_batch_stride=q.stride(0), SLOTS=slots is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return q
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
 from ...errors import ConfigError
-from . import cute, kernels
+from . import cute, flash, kernels
 from .weights import FusedWeights
 
 
@@ -50,9 +50,11 @@ class FastPi05:
     # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
     FUSED_ACTION_IO = True
 
-    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas"):
+    def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
+                 attention_library: str = "triton"):
         """gemm_library: "cublas", or "quack" for the prefix's and SigLIP's GEMMs where cute.FROM_ROWS
-        says it is faster, with their activations in the epilogue (cute.py: the same bits)."""
+        says it is faster, with their activations in the epilogue (cute.py: the same bits).
+        attention_library: "triton", or "fa4" for the prefix's attention (flash.py)."""
         self.model = model
         self.layer_stream = layer_stream
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
@@ -68,6 +70,11 @@ class FastPi05:
                                   "profile other than offload")
             cute.require(model.action_in_proj.weight.device)
             cute.register()
+        self.flash = attention_library == "fa4"
+        if self.flash:
+            if not self._prefix_on_triton():
+                raise ConfigError("attention_library 'fa4' needs the Triton fast path (bfloat16, CUDA)")
+            flash.require(model.action_in_proj.weight.device)
         if layer_stream is None:
             self.w = FusedWeights.of(model)
         else:
@@ -154,7 +161,13 @@ class FastPi05:
         return y
 
     def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache, vision_slots: int | None = None):
-        """Fills k_cache/v_cache[:, :, :P] ([L, B, T, D]) and returns the prefix pad mask [B, P].
+        """Fills k_cache/v_cache[:, :, :P] ([L, B, T, D]) and returns the cache's pad mask [B, P].
+
+        The cache holds each item's valid tokens first, in order: a token's row is its RoPE
+        position (the reference counts positions over valid tokens only), and the masked tokens
+        follow. So an item's valid keys are a prefix of its rows, which attention kernels that take
+        a key length read directly (FlashAttention's seqused_k), and the mask returned is that
+        prefix. Attention sums over the same keys as the reference's, in another order.
 
         vision_slots: only the first slots go through SigLIP; later slots must be masked in every
         item (absent cameras come last in the reference's slot order). Their tokens are zeros: a
@@ -172,25 +185,29 @@ class FastPi05:
         h = torch.cat([img.to(lang.dtype), lang], dim=1).to(self.dtype)
         pad = torch.cat([image_masks.repeat_interleave(per_image, dim=1), token_mask], dim=1)
         positions = pad.long().cumsum(1) - 1
+        valid = pad.sum(1, keepdim=True)
+        slots = torch.where(pad, positions, valid + (~pad).long().cumsum(1) - 1)  # masked tokens after the valid
+        cache_pad = torch.arange(pad.shape[1], device=pad.device) < valid
         dims = self.vlm_dims
         cos, sin = rope_cos_sin(positions, dims.head_dim, dims.rope_theta, self.dtype)
         if self._prefix_on_triton():
-            self._prefix_triton(h, pad, cos, sin, k_cache, v_cache)
+            self._prefix_triton(h, cache_pad, slots, cos, sin, k_cache, v_cache)
         else:
-            self._prefix_torch(h, pad, cos, sin, k_cache, v_cache)
-        return pad
+            self._prefix_torch(h, pad, slots, cos, sin, k_cache, v_cache)
+        return cache_pad
 
-    def _prefix_torch(self, h, pad, cos, sin, k_cache, v_cache):
+    def _prefix_torch(self, h, pad, slots, cos, sin, k_cache, v_cache):
         dims = self.vlm_dims
         b, plen, _ = h.shape
         bias = torch.where(pad[:, None, :] & pad[:, :, None], 0.0, MASK_VALUE).to(self.dtype)[:, None]
+        rows = slots[..., None].expand(-1, -1, dims.head_dim)  # token -> cache row
         for i, lw in enumerate(self.w.vlm):
             self._enter("vlm", i)
             x = _rms(h, lw.norm1, dims.rms_norm_eps)
             q, k, v = _split_qkv(F.linear(x, lw.qkv), dims)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache[i, :, :plen] = k[:, 0]
-            v_cache[i, :, :plen] = v[:, 0]
+            k_cache[i, :, :plen].scatter_(1, rows, k[:, 0])
+            v_cache[i, :, :plen].scatter_(1, rows, v[:, 0])
             if i == len(self.w.vlm) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
             attn = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), attn_mask=bias)
@@ -198,7 +215,7 @@ class FastPi05:
             x = _rms(h, lw.norm2, dims.rms_norm_eps)
             h = h + F.linear(_geglu(F.linear(x, lw.gate_up)), lw.down)
 
-    def _prefix_triton(self, h, pad, cos, sin, k_cache, v_cache):
+    def _prefix_triton(self, h, cache_pad, slots, cos, sin, k_cache, v_cache):
         # Padding queries attend to the valid keys here (the eager path spreads them uniformly over
         # all keys); either way they only shape padded tokens, which no valid token ever reads.
         dims = self.vlm_dims
@@ -206,7 +223,11 @@ class FastPi05:
         half = dims.head_dim // 2
         cos_half = cos[:, 0, :, :half].float().reshape(b * plen, half)
         sin_half = sin[:, 0, :, :half].float().reshape(b * plen, half)
-        key_bias = torch.where(pad, 0.0, MASK_VALUE).to(torch.float32)
+        rows = slots.to(torch.int32).reshape(b * plen)
+        if self.flash:
+            valid_keys = cache_pad.sum(1, dtype=torch.int32)
+        else:
+            key_bias = torch.where(cache_pad, 0.0, MASK_VALUE).to(torch.float32)
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
         y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
@@ -216,11 +237,15 @@ class FastPi05:
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
             if i == len(layers) - 1:  # the last layer's queries, attention and MLP feed nothing we use
                 kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv[q_rows:]), cos_half, sin_half,
-                                            *kv, 0, plen)
+                                            *kv, 0, plen, slots=rows)
                 break
             q = kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv), cos_half, sin_half, *kv,
-                                            dims.num_heads, plen)
-            attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen, kernels.prefix_attention_config(b))
+                                            dims.num_heads, plen, slots=rows)
+            if self.flash:
+                attn = flash.prefix_attention(q, *kv, valid_keys, dims.num_heads, plen)
+            else:
+                attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
+                                             kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
                                       eps=eps)
             if self._on_quack("prefix_gate_up", y):

@@ -66,7 +66,9 @@ class FastPi0(FastPi05):
         return F.linear(out.float(), m.action_out_proj.weight, m.action_out_proj.bias)
 
 
-def fast_model(model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas") -> FastPi05:
+def fast_model(model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
+               attention_library: str = "triton") -> FastPi05:
     """The fast path's math for `model`'s family."""
     cls = FastPi0 if isinstance(model, Pi0Model) else FastPi05
-    return cls(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library)
+    return cls(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
+               attention_library=attention_library)

@@ -1,0 +1,46 @@
+"""`--gemm-library quack` and `--attention-library fa4` (the CuTe-DSL libraries): their options and
+their errors. The kernels themselves need a Hopper GPU and the libraries (bench/gemm_library.py checks
+quack's every output element against the default's, and the actions bit for bit, there;
+bench/flash_probe.py and bench/bench_gpu.py --attention-library fa4 check FA4's error against fp32)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import golden_dir
+from vlaserve import Policy
+from vlaserve.config import RuntimeConfig
+from vlaserve.errors import ConfigError
+from vlaserve.runtime.fast import cute, flash
+from vlaserve.runtime.fast.model import FastPi05
+
+
+# (option, its default, a CuTe-DSL value, the module whose require() checks the packages, the package it imports)
+LIBRARIES = [("gemm_library", "cublas", "quack", cute, "quack"), ("attention_library", "triton", "fa4", flash, "flash_attn")]
+
+
+@pytest.mark.parametrize("option, default, value, module, package", LIBRARIES)
+def test_library_choices_are_validated(option, default, value, module, package):
+    assert getattr(RuntimeConfig(), option) == default
+    with pytest.raises(ConfigError, match=f"{option} must be one of {default}, {value}"):
+        RuntimeConfig(**{option: "cutlass"})
+
+
+@pytest.mark.parametrize("option, default, value, module, package", LIBRARIES)
+def test_a_missing_library_says_how_to_install_it(option, default, value, module, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(ConfigError, match=rf"{option} '{value}' needs .*pip install 'vlaserve\[cute\]'"):
+        module.require(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("option, default, value, module, package", LIBRARIES)
+def test_a_library_off_the_cuda_fast_path_is_an_error_not_a_silent_fallback(option, default, value, module, package):
+    with pytest.raises(ConfigError, match="CUDA fast path only"):
+        Policy.from_pretrained(golden_dir() / "checkpoint", device="cpu", dtype="float32", progress=False,
+                               **{option: value})
+    model = Policy.from_pretrained(golden_dir() / "checkpoint", device="cpu", dtype="float32",
+                                   progress=False).model  # float32: the fast path keeps stock kernels
+    with pytest.raises(ConfigError, match="needs the Triton fast path"):
+        FastPi05(model, **{option: value})
