@@ -1,7 +1,7 @@
 """Probe (issue 14): FlashAttention-3's forward (the `fa3-fwd` wheel) and FlashAttention-4's
 against the attention we serve, on ALOHA-3's shapes (runs 123-124).
 
-    python3 bench/flash_probe.py --library fa3|fa4 [--served] [--out DIR]
+    python3 bench/flash_probe.py --library fa3|fa4 [--served] [--policy] [--out DIR]
 
 FA4 on sm90 has no key splits (run 101), so it lost the expert's attention (50 queries a head).
 FA3 has them (`num_splits`, with its own combine kernel), packs the 8 query heads of one K/V head
@@ -254,10 +254,50 @@ def served(results: dict, save) -> None:
     save()
 
 
+def policy_check(results: dict, save) -> None:
+    """The option as users pass it: the golden (tiny) checkpoint through Policy.from_pretrained(...,
+    attention_library=...) in bf16 (its warm-up captures every graph), each case's observations (one
+    lacks a camera) repeated to batch 1, 2 and 8: max|Δ| of the model-space actions between the two
+    libraries and of each from the reference's fp32 actions."""
+    import numpy as np
+
+    from bench_gpu import GOLDEN
+
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    golden = Path(GOLDEN)
+    policies = {}
+    out: dict = {}
+    for lib in ("triton", "fa4"):
+        t0 = time.perf_counter()
+        policies[lib] = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="bfloat16",
+                                               progress=False, attention_library=lib)
+        out[f"{lib}_load_s"] = time.perf_counter() - t0
+    for case_dir in case_dirs(golden):
+        case = GoldenCase.load(case_dir)
+        obs, noise = case.observations(), list(case.tensors["input.noise"])
+        expected = case.tensors["expected.actions_model"]
+        for b in (1, 2, 8):
+            batch, z = [obs[i % len(obs)] for i in range(b)], [noise[i % len(noise)] for i in range(b)]
+            ref = np.stack([expected[i % len(obs)] for i in range(b)])
+            acts = {lib: np.stack([r.model_actions for r in p.infer_batch(batch, noise=z,
+                                                                          num_steps=case.meta["num_steps"])])
+                    for lib, p in policies.items()}
+            row = {"fa4_vs_triton": float(np.abs(acts["fa4"] - acts["triton"]).max())}
+            row.update({f"{lib}_vs_fp32_reference": float(np.abs(a - ref).max()) for lib, a in acts.items()})
+            out[f"{case.name}_b{b}"] = row
+    out["metadata_fa4"] = {k: v for k, v in policies["fa4"].metadata.items() if isinstance(v, (str, int, bool))}
+    results["policy_check"] = out
+    log(f"policy check: {json.dumps(out)}")
+    save()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--library", choices=("fa3", "fa4"), required=True)
-    ap.add_argument("--served", action="store_true", help="fa4: only the served path, against the default")
+    ap.add_argument("--served", action="store_true", help="fa4: full-size FastRunners against the default")
+    ap.add_argument("--policy", action="store_true", help="fa4: the golden checkpoint through Policy, against the default")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     name = args.library
@@ -276,8 +316,11 @@ def main():
         traceback.print_exc()
         save()
         return
+    if args.policy:
+        policy_check(results, save)
     if args.served:
         served(results, save)
+    if args.policy or args.served:
         return
     for b in (1, 2, 4, 8):
         results["cases"].append(siglip_case(attend, name, b))
