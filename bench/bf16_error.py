@@ -7,7 +7,7 @@ LeRobot 0.6.1's own (issue 14's accuracy target, as a distribution rather than o
 Full-size Pi0.5 (random weights), bench_gpu.py's ALOHA-3 inputs drawn from seeds 1..16 at batch 1 and
 1..8 at batch 8 (1..4 until run 82). For each call: max|Δ| of the actions against our fp32 eager model (which equals
 LeRobot's fp32 to ~1e-6, bench_gpu.py) for LeRobot's bf16 and for our fast path at the default prompt
-bucket: with our Triton attention, and with --fa4 also with `attention_library="fa4"` (added after run 126, not run yet; until
+bucket: with our Triton attention, and with --fa4 also with `attention_library="fa4"` (run 130; until
 run 84 the variants were the attention merge at 1 and 2 queries per program, 2 being the served one).
 One call's max over 50 x 32 actions moves by ~10% between inputs (runs 55-65), so the comparison is
 the mean (and max) over calls, per item at batch 8.

@@ -277,12 +277,14 @@ def policy_check(results: dict, save) -> None:
     for case_dir in case_dirs(golden):
         case = GoldenCase.load(case_dir)
         obs, noise = case.observations(), list(case.tensors["input.noise"])
+        rtcs = case.rtcs() or [None] * len(obs)  # the rtc case's previous chunk (until run 130 it was left out)
         expected = case.tensors["expected.actions_model"]
         for b in (1, 2, 8):
-            batch, z = [obs[i % len(obs)] for i in range(b)], [noise[i % len(noise)] for i in range(b)]
-            ref = np.stack([expected[i % len(obs)] for i in range(b)])
-            acts = {lib: np.stack([r.model_actions for r in p.infer_batch(batch, noise=z,
-                                                                          num_steps=case.meta["num_steps"])])
+            pick = [i % len(obs) for i in range(b)]
+            batch, z, r = [obs[i] for i in pick], [noise[i % len(noise)] for i in range(b)], [rtcs[i] for i in pick]
+            ref = np.stack([expected[i] for i in pick])
+            acts = {lib: np.stack([res.model_actions for res in p.infer_batch(batch, noise=z, rtcs=r,
+                                                                              num_steps=case.meta["num_steps"])])
                     for lib, p in policies.items()}
             row = {"fa4_vs_triton": float(np.abs(acts["fa4"] - acts["triton"]).max())}
             row.update({f"{lib}_vs_fp32_reference": float(np.abs(a - ref).max()) for lib, a in acts.items()})

@@ -62,23 +62,25 @@ LEGACY_TUNING = {
 }
 
 
-def denoise_graph(fast, buf):
-    """One CUDA graph over the 10 Euler steps on the runner's static buffers (prefix already run)."""
-    sched = fast.schedule(STEPS)
-
-    def run():
-        return fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], None)
-
-    side = torch.cuda.Stream()
+def capture(fn, stream: torch.cuda.Stream | None = None):
+    """fn run twice on a side stream (compiles, allocates), then captured there -> (graph, its output).
+    The graph gets a memory pool of its own, so a failed capture leaves no pool recording."""
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            run()
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    with torch.cuda.graph(graph, stream=side):
+        out = fn()
     return graph, out
+
+
+def denoise_graph(fast, buf):
+    """One CUDA graph over the 10 Euler steps on the runner's static buffers (prefix already run)."""
+    sched = fast.schedule(STEPS)
+    return capture(lambda: fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], None))
 
 
 def time_denoise(fast, buf) -> tuple[float, torch.Tensor]:
