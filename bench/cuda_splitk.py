@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+from cuda_driver import CudaModule  # noqa: E402
 from bench_gpu import STEPS, TOKENS, log, make_inputs, maxdiff, time_graphed  # noqa: E402
 from kernel_ladder import CAMERA_NAMES, bench_run, time_denoise  # noqa: E402
 
@@ -156,57 +155,20 @@ KERNEL(1024, false, 8, splitk1024_post_w8)
 SPLITS, BLOCK_N = 4, 32
 
 
-class LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: the id, padding to 8 bytes, then a 64-byte value union (here its int)
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int),
-                ("value_rest", ctypes.c_ubyte * 60)]
-
-
-class LaunchConfig(ctypes.Structure):
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (percent of the maximum)
-
-
 class CudaSplitK:
     """The kernels above, built and loaded into the current CUDA context."""
 
     def __init__(self, carveout: int | None = None):
-        self.cuda = ctypes.CDLL("libcuda.so.1")
-        with tempfile.TemporaryDirectory() as tmp:
-            src, cubin = Path(tmp) / "splitk.cu", Path(tmp) / "splitk.cubin"
-            src.write_text(SOURCE)
-            started = time.time()
-            done = subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-                                   "-o", str(cubin), str(src)], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(done.stderr[-4000:])
-            self.build_log, self.build_s = done.stderr, time.time() - started
-            image = cubin.read_bytes()
-        torch.zeros(1, device="cuda")  # the primary context is current
-        self.module = ctypes.c_void_p()
-        self._check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), image), "cuModuleLoadData")
+        self.module = CudaModule(SOURCE)
+        self.build_log, self.build_s = self.module.build_log, self.module.build_s
         self.funcs, self.shared = {}, {}
         for ks, mode, warps in itertools.product((512, 1024), ("pre", "post"), (4, 8)):
-            f = ctypes.c_void_p()
-            self._check(self.cuda.cuModuleGetFunction(ctypes.byref(f), self.module,
-                                                      f"splitk{ks}_{mode}_w{warps}".encode()), "cuModuleGetFunction")
             # the operands, or the warps' staged sums once they are consumed
             shared = max((BLOCK_N + 64) * (ks + 8) * 2, warps * 64 * BLOCK_N * 4)
-            self._check(self.cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
-            if carveout is not None:  # run 98: one shared-memory carveout for both sizes
-                self._check(self.cuda.cuFuncSetAttribute(f, PREFERRED_CARVEOUT, carveout), "cuFuncSetAttribute")
-            self.funcs[ks, mode, warps], self.shared[ks, warps] = f, shared
+            # carveout (run 98): one shared-memory carveout for both sizes
+            self.funcs[ks, mode, warps] = self.module.function(f"splitk{ks}_{mode}_w{warps}", shared, carveout)
+            self.shared[ks, warps] = shared
         self.mode, self.pdl, self.warps = "pre", True, 4
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code:
-            raise RuntimeError(f"{what} failed: CUresult {code}")
 
     def supports(self, x2d: torch.Tensor, w: torch.Tensor) -> bool:
         r, k = x2d.shape
@@ -219,13 +181,8 @@ class CudaSplitK:
         out = torch.empty(SPLITS, r, n, dtype=torch.float32, device=x2d.device)
         args = [ctypes.c_void_p(x2d.data_ptr()), ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                 ctypes.c_int(r), ctypes.c_int(n), ctypes.c_int(x2d.stride(0)), ctypes.c_int(w.stride(0))]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        cfg = LaunchConfig((ctypes.c_uint * 3)(n // BLOCK_N, SPLITS, 1), (ctypes.c_uint * 3)(32 * self.warps, 1, 1),
-                           self.shared[ks, self.warps], ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                           ctypes.pointer(attr) if self.pdl else None, 1 if self.pdl else 0)
-        self._check(self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), self.funcs[ks, self.mode, self.warps], params, None),
-                    "cuLaunchKernelEx")
+        self.module.launch(self.funcs[ks, self.mode, self.warps], (n // BLOCK_N, SPLITS, 1), 32 * self.warps,
+                           self.shared[ks, self.warps], args, pdl=self.pdl)
         return out
 
 

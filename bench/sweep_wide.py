@@ -29,9 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from bench_gpu import eager, log, make_inputs, maxdiff  # noqa: E402
+from bench_gpu import log  # noqa: E402
 from kernel_ladder import bench_run, denoise_setup, time_denoise  # noqa: E402
-from tune_batches import HORIZON, full_call, sweep  # noqa: E402
+from tune_batches import HORIZON, compare_calls, sweep  # noqa: E402
 
 from vlaserve.runtime.fast import kernels  # noqa: E402
 
@@ -81,26 +81,12 @@ def main():
             if name.endswith(f"b{b}"):
                 log(f"{name} top 5:", json.dumps([(round(r["ms"], 3), r["config"]) for r in entry["rows"][:5]]))
 
-    model32 = copy.deepcopy(model).float()
-    results["calls"] = {}
-    for b in BATCHES:
-        inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
-        ref32, ref16 = eager(model32, inputs, noise), eager(model, inputs, noise)
-        row = {}
-        for label in ("default", "best"):
-            kernels.TUNING.clear()
-            kernels.TUNING.update(copy.deepcopy(defaults))
-            if label == "best":
-                table = copy.deepcopy(kernels.batched_config(b * HORIZON))
-                kernels.TUNING["batched"] = {1: {**table, "splitk": best[b]["splitk"]}}
-                kernels.TUNING["attention_batched"] = {**defaults["attention_batched"], b: best[b]["attention"]}
-            row[label] = {**full_call(model, policy_config, inputs, noise, ref32, ref16),
-                          "eager_bf16_vs_fp32": maxdiff(ref16, ref32)}
-        log(f"call b{b}:", json.dumps(row))
-        results["calls"][b] = row
-        save()
-    kernels.TUNING.clear()
-    kernels.TUNING.update(defaults)
+    def best_tiles(b: int) -> None:
+        table = copy.deepcopy(kernels.batched_config(b * HORIZON))
+        kernels.TUNING["batched"] = {1: {**table, "splitk": best[b]["splitk"]}}
+        kernels.TUNING["attention_batched"] = {**defaults["attention_batched"], b: best[b]["attention"]}
+
+    compare_calls(model, policy_config, BATCHES, defaults, {"best": best_tiles}, results, save)
     results["best"] = best
     results["elapsed_s"] = time.time() - started
     save()

@@ -93,6 +93,30 @@ def full_call(model, policy_config, inputs, noise, ref32, ref16) -> dict:
     return row
 
 
+def compare_calls(model, policy_config, batches, defaults: dict, variants: dict, results: dict, save) -> None:
+    """Full calls (full_call) at each batch size under the committed `defaults` and under each of
+    `variants` ({label: apply(batch)}, which edits kernels.TUNING after it is reset to `defaults`):
+    rows in results["calls"][batch][label], each with eager bf16's own error beside it. Leaves
+    kernels.TUNING at `defaults`."""
+    model32 = copy.deepcopy(model).float()
+    results["calls"] = {}
+    for b in batches:
+        inputs, noise = make_inputs(b, model.vlm.dims.vocab_size, seed=b)
+        ref32, ref16 = eager(model32, inputs, noise), eager(model, inputs, noise)
+        row = {}
+        for label, apply in {"default": lambda _b: None, **variants}.items():
+            kernels.TUNING.clear()
+            kernels.TUNING.update(copy.deepcopy(defaults))
+            apply(b)
+            row[label] = {**full_call(model, policy_config, inputs, noise, ref32, ref16),
+                          "eager_bf16_vs_fp32": maxdiff(ref16, ref32)}
+        log(f"call b={b}:", json.dumps(row))
+        results["calls"][b] = row
+        save()
+    kernels.TUNING.clear()
+    kernels.TUNING.update(copy.deepcopy(defaults))
+
+
 def prefix_attention_sweep(plen: int, heads: int, d: int) -> list:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads * plen, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -181,26 +205,15 @@ def main():
     save()
 
     # 5. Full calls: the committed defaults against each batch's best, with accuracy lines.
-    model32 = copy.deepcopy(model).float()
-    results["calls"] = {}
-    for b in BATCHES:
-        inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
-        ref32, ref16 = eager(model32, inputs, noise), eager(model, inputs, noise)
-        row = {}
-        for label in ("default", "tuned"):
-            kernels.TUNING.clear()
-            kernels.TUNING.update(copy.deepcopy(defaults))
-            if label == "tuned":
-                kernels.TUNING["attention"] = best_attention[1]
-                kernels.TUNING["attention_batched"] = {s: best_attention[s] for s in BATCHES if s > 1}
-                if b > 1:
-                    kernels.TUNING["batched"] = {1: copy.deepcopy(best_gemm[b])}
-                kernels.TUNING["action"] = {**defaults["action"], **best_action}
-                kernels.TUNING["prefix_attention"] = best_prefix
-            row[label] = full_call(model, policy_config, inputs, noise, ref32, ref16)
-        log(f"call b={b}:", json.dumps(row))
-        results["calls"][b] = row
-        save()
+    def tuned(b: int) -> None:
+        kernels.TUNING["attention"] = best_attention[1]
+        kernels.TUNING["attention_batched"] = {s: best_attention[s] for s in BATCHES if s > 1}
+        if b > 1:
+            kernels.TUNING["batched"] = {1: copy.deepcopy(best_gemm[b])}
+        kernels.TUNING["action"] = {**defaults["action"], **best_action}
+        kernels.TUNING["prefix_attention"] = best_prefix
+
+    compare_calls(model, policy_config, BATCHES, defaults, {"tuned": tuned}, results, save)
     results["best"] = {"attention": best_attention, "batched": best_gemm, "action": best_action,
                        "prefix_attention": best_prefix}
     results["elapsed_s"] = time.time() - started
