@@ -50,9 +50,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-
-LAYERS, STEPS, ROWS = 18, 10, 50
-GEMMS = (("qkv", 2560, 1024), ("o", 1024, 2048), ("gate_up", 8192, 1024), ("down", 1024, 4096))  # N, K
+import persistent_probe  # noqa: E402  (the problem: its GEMMs, layers, steps, rows, weights and x)
+from persistent_probe import GEMMS, ROWS, STEPS  # noqa: E402
 BLOCKS, KC, M_TILES = 128, 128, 4  # blocks, K per chunk (a ring slot), 16-row m-tiles (64 rows)
 
 # Column tile and K split per GEMM: (block_n, k_split); every GEMM has BLOCKS items.
@@ -423,14 +422,14 @@ def layout_check() -> dict:
 
 # ---- the run --------------------------------------------------------------------------------------
 class PersistentStep:
-    def __init__(self, module, weights, xs, tiling: str):
+    """persistent_probe's Problem packed for one tiling; its barrier counter and error flag reused."""
+
+    def __init__(self, module, problem, weights, tiling: str):
         self.module, self.tiling = module, tiling
         self.stream = pack_stream(weights, TILINGS[tiling])
-        self.xf = [pack_x(x) for x in xs]
-        self.outs = [torch.empty(k // ks, ROWS, n, dtype=torch.float32, device="cuda")
-                     for (_, n, k), (_, ks) in zip(GEMMS, TILINGS[tiling])]
-        self.bar = torch.zeros(1, dtype=torch.int32, device="cuda")
-        self.err = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.xf = [pack_x(x) for x in problem.x]
+        self.outs = problem.outputs([ks for _, ks in TILINGS[tiling]])
+        self.bar, self.err = problem.bar, problem.err
         self.layers = len(weights)
 
     def call(self, kg: int, stages: int, depth: int, zero_pad: bool, variant: str, steps: int = STEPS) -> None:
@@ -453,7 +452,6 @@ def main():
     from bench_gpu import log, time_graphed
     from cuda_driver import CudaModule
     from kernel_ladder import bench_run
-    import persistent_probe
 
     started = time.time()
     args, results, save = bench_run("persistent_cuda", {"layout": "CPU only: the packing against an emulation"})
@@ -462,34 +460,33 @@ def main():
     results["build_s"], results["ptxas"] = module.build_s, module.build_log[-3000:]
     log(f"built in {module.build_s:.1f}s")
     p = persistent_probe.Problem()
-    weights = [[p.weight(layer, j) for j in range(len(GEMMS))] for layer in range(LAYERS)]
+    weights = [[p.weight(layer, j) for j in range(len(GEMMS))] for layer in range(p.layers)]
     gb = p.bytes_per_call(STEPS) / 1e9
     results["floor_ms_at_4.17_tbps"] = gb / 4.17
     refs = [x.float() @ w.float().T for x, w in zip(p.x, weights[-1])]
 
-    # Run 69's best served-style launches (one kernel per GEMM, PDL), in this run.
-    cfg = {"nprog": 132, "block_n": 64, "block_k": 256, "warps": 4, "stages": 3}
-    cfg["splits"] = [persistent_probe.split_for(n, k, cfg["block_n"], cfg["block_k"], cfg["nprog"])
-                     for _, n, k in GEMMS]
-    outs = p.outputs(cfg["splits"])
-    ms = time_graphed(lambda: persistent_probe.run_launches(p, cfg, outs, STEPS, pdl=True))["p50_ms"]
-    results["triton_launches_pdl"] = {"ms": ms, "tbps": gb / ms, "config": cfg}
-    log(f"triton launches (PDL): {ms:.3f} ms, {gb / ms:.2f} TB/s")
-    # and run 69's best Triton persistent kernel (a barrier after each GEMM, acquire polling)
-    cfg = {"nprog": 132, "block_n": 64, "block_k": 128, "warps": 4, "stages": 4}
-    cfg["splits"] = [persistent_probe.split_for(n, k, cfg["block_n"], cfg["block_k"], cfg["nprog"])
-                     for _, n, k in GEMMS]
-    outs = p.outputs(cfg["splits"])
-    ms = time_graphed(lambda: persistent_probe.run_persistent(p, cfg, outs, STEPS, True, spin=0))["p50_ms"]
-    results["triton_persistent"] = {"ms": ms, "tbps": gb / ms, "config": cfg, "timeouts": int(p.err.item())}
-    log(f"triton persistent: {ms:.3f} ms, {gb / ms:.2f} TB/s")
+    def triton_row(name: str, cfg: dict, run) -> None:  # one of run 69's best Triton variants, in this run
+        cfg["splits"] = [persistent_probe.split_for(n, k, cfg["block_n"], cfg["block_k"], cfg["nprog"])
+                         for _, n, k in GEMMS]
+        outs = p.outputs(cfg["splits"])
+        p.err.zero_()
+        ms = time_graphed(lambda: run(p, cfg, outs, STEPS))["p50_ms"]
+        results[name] = {"ms": ms, "tbps": gb / ms, "config": cfg, "timeouts": int(p.err.item())}
+        log(f"{name}: {ms:.3f} ms, {gb / ms:.2f} TB/s")
+
+    # served-style launches (one kernel per GEMM, PDL), and the Triton persistent kernel (a barrier
+    # after each GEMM, acquire polling)
+    triton_row("triton_launches_pdl", {"nprog": 132, "block_n": 64, "block_k": 256, "warps": 4, "stages": 3},
+               lambda *a: persistent_probe.run_launches(*a, pdl=True))
+    triton_row("triton_persistent", {"nprog": 132, "block_n": 64, "block_k": 128, "warps": 4, "stages": 4},
+               lambda *a: persistent_probe.run_persistent(*a, True, spin=0))
     save()
 
     rows = results["rows"] = []
     steps = {}
     for tiling, kg, stages, depth, zero_pad in CONFIGS:
         if tiling not in steps:
-            steps = {tiling: PersistentStep(module, weights, p.x, tiling)}  # one packed copy at a time
+            steps = {tiling: PersistentStep(module, p, weights, tiling)}  # one packed copy at a time
         st = steps[tiling]
         row = {"tiling": tiling, "shapes": TILINGS[tiling], "kg": kg, "stages": stages, "x_depth": depth, "zero_pad": zero_pad,
                "shared": shared_bytes(kg, stages, depth)}
