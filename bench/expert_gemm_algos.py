@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_gpu import log, time_graphed
+from bench_gpu import log
+from cute_probe import graphed_us
 from gemm_algos import CublasLt
 
 from vlaserve.runtime.fast import kernels
@@ -39,15 +40,18 @@ SHAPES = {"qkv": (2560, 1024), "o": (1024, 2048), "gate_up": (8192, 1024), "down
 LAYERS, STEPS, CHUNK = 18, 10, 50
 
 
-def layer_us(fn) -> float:
-    """fn(layer) over the 18 layers in one graph: p50 us per layer."""
-    return time_graphed(lambda: [fn(i) for i in range(LAYERS)], iters=20)["p50_ms"] * 1e3 / LAYERS
-
-
 def served(family: str, batch: int, x, ws):
     if family in ("o", "down") and not kernels.through_cublas(family, batch):
         return "split-K partials", lambda i: kernels.splitk_partials(x, ws[i])
     return "F.linear", lambda i: F.linear(x, ws[i])
+
+
+def product(fn, out: torch.Tensor) -> torch.Tensor:
+    """Layer 0's product in fp32: what fn returns, or `out` where it writes there (cuBLASLt); the
+    sum of split-K partials [splits, R, N]."""
+    y = fn(0)
+    y = out if y is None else y
+    return y.sum(0) if y.dim() == 3 else y.float()
 
 
 def quack_candidates(x, ws) -> list:
@@ -81,17 +85,10 @@ def case(lt: CublasLt, family: str, batch: int, count: int) -> dict:
     for name, fn in candidates:
         row: dict = {"candidate": name}
         try:
-            first = fn(0)
-            first = outs[0] if first is None else first
-            if first.dtype == torch.float32 and first.dim() == 3:  # split-K partials: their sum
-                first = first.sum(0)
-            first = first.float().clone()
-            again = fn(0)
-            again = outs[0] if again is None else again
-            again = again.sum(0) if again.dtype == torch.float32 and again.dim() == 3 else again
-            row["repeat_identical"] = bool(torch.equal(first, again.float()))
+            first = product(fn, outs[0]).clone()
+            row["repeat_identical"] = bool(torch.equal(first, product(fn, outs[0])))
             row["rel_diff_vs_flinear"] = (first - reference).abs().max().item() / scale
-            row["us"] = layer_us(fn)
+            row["us"] = graphed_us(lambda: [fn(i) for i in range(LAYERS)], LAYERS)
             row["tflops"] = flop / row["us"] / 1e6
         except Exception as exc:  # an algorithm the shape does not take: recorded, the probe goes on
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
