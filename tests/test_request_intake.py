@@ -22,11 +22,11 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 from openpi_client import msgpack_numpy
-from PIL import Image
+from PIL import Image, ImageFile
 
 from test_server import GENERATIONS, MSGPACK, ServerProcess
 from vlaserve.errors import InvalidObservation, InvalidRequest
-from vlaserve.processing.encoded import encoded_image
+from vlaserve.processing.encoded import EncodedImage
 from vlaserve.server import ServerSettings, create_app
 
 HOST = "127.0.0.1:8000"  # the in-process server's address, as its clients' Host header names it
@@ -190,6 +190,18 @@ def test_jpeg_bytes_over_the_openpi_websocket(client):
     assert np.array_equal(got, reference(client, {"base_0_rgb": decoded(jpeg)}))
 
 
+def test_png_over_the_realtime_websocket(client):
+    png = encode(frame(9), "PNG")
+    with client.websocket_connect("/v1/actions/realtime") as ws:
+        ws.receive_bytes()
+        ws.send_bytes(msgpack_numpy.packb(body({"base_0_rgb": png})))
+        reply = msgpack_numpy.unpackb(ws.receive_bytes())
+        ws.send_bytes(msgpack_numpy.packb(body({"base_0_rgb": b"\x89PNG\r\n\x1a\n"})))  # a signature, no header
+        refused = msgpack_numpy.unpackb(ws.receive_bytes())["error"]
+    assert np.array_equal(reply["data"][0]["action"]["values"], reference(client, {"base_0_rgb": frame(9)}))
+    assert refused["field"] == "input.observation.images.base_0_rgb" and "not a readable PNG" in refused["message"]
+
+
 def test_greyscale_palette_and_rgba_pngs_become_rgb(client):
     grey = frame(5)[..., 0]
     rgba = np.dstack([frame(6), np.full((96, 128), 255, np.uint8)])
@@ -243,13 +255,21 @@ def test_bytes_that_are_no_usable_image_get_a_clear_422(client, image, message):
     assert actions(post(client, body({"base_0_rgb": frame(1)}))).shape == (50, 14)  # still serving
 
 
-def test_the_header_check_leaves_the_pixels_alone():
+def test_bombs_are_refused_without_loading_a_pixel(monkeypatch):
+    def no_decoding(self):
+        raise AssertionError("decoding started")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    for header in (png_header(5000, 4000), png_header(60000, 60000), jpeg_header(6000, 4000)):
+        with pytest.raises(InvalidObservation, match="refused before decoding"):
+            EncodedImage(header).decode("images.x")
+
+
+def test_line_wrapped_base64_decodes_to_the_same_pixels():
     jpeg = encode(frame(8), "JPEG")
-    checked = encoded_image(jpeg, "images.x")
-    assert (checked.format, checked.height, checked.width) == ("JPEG", 96, 128)
-    assert np.array_equal(checked.decode("images.x"), decoded(jpeg))
+    assert np.array_equal(EncodedImage(jpeg).decode("images.x"), decoded(jpeg))
     wrapped = "data:image/jpeg;base64," + "\n".join(re.findall(".{1,76}", base64.b64encode(jpeg).decode()))
-    assert encoded_image(wrapped, "images.x").data == jpeg  # line-wrapped base64, as base64 tools write it
+    assert np.array_equal(EncodedImage(wrapped).decode("images.x"), decoded(jpeg))  # as base64 tools write it
 
 
 def test_the_docs_encoded_image_example_runs(golden, tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidObservation, InvalidRequest
-from .processing.encoded import EncodedImage, encoded_image
+from .processing.encoded import EncodedImage
 from .processing.images import bytes_to_model_range, place_frames
 
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
@@ -67,9 +67,9 @@ def float_array(value, field: str, ndim: int | None = None, max_abs: float | Non
 
 def image_array(value, field: str) -> np.ndarray | EncodedImage:
     """uint8 pixels stay bytes; other integers must be bytes in value; floats become float32. A PNG or
-    JPEG (bytes, or base64 text) has its header checked here and is decoded by Policy.prepare."""
+    JPEG (bytes, or base64 text) is kept as sent: Policy.prepare checks and decodes it, off the event loop."""
     if isinstance(value, (bytes, bytearray, memoryview, str)):
-        return encoded_image(value, field)
+        return EncodedImage(value if isinstance(value, str) else bytes(value))
     array = _numeric(value, field)
     if array.dtype == np.uint8:
         return array

@@ -1,16 +1,16 @@
 """Camera frames sent encoded, as PNG or JPEG: bytes (msgpack), or text (JSON: base64, or a
 `data:image/...;base64,` URL).
 
-Checked where a request is built, from the header alone (format, width and height, colour mode:
-tens of microseconds), so a decompression bomb or a stray byte string is refused before any pixel
-is allocated; decoded later, by `Policy.prepare` (on the server's worker threads: Pillow decodes
-with the GIL released). The result is an HxWx3 uint8 array that takes the same path as a raw one.
+A request keeps the image as sent; `Policy.prepare` (on the server's worker threads, never the event
+loop: base64 of a 64 MB body is ~100 ms of CPU, and Pillow decodes with the GIL released) reads its
+header first, so a decompression bomb or a stray byte string is refused before any pixel is
+allocated, then decodes it to an HxWx3 uint8 array that takes the same path as a raw one.
 
 Colour modes: RGB as is; greyscale (its value copied into R, G and B), palette images (expanded)
 and alpha channels (dropped, not composited: a browser canvas's PNG is RGBA with alpha 255) become
 RGB; anything else (16-bit greyscale, CMYK, float) is refused. EXIF orientation is not applied:
 pixels are used in the order stored, like a raw array's. Pillow (libjpeg-turbo, zlib) decodes both
-formats: JPEG within 10% of simplejpeg's speed, PNG too, from one library (docs/server.md).
+formats from one library: JPEG within 10% of simplejpeg's speed (docs/server.md).
 """
 
 from __future__ import annotations
@@ -33,46 +33,38 @@ CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "L", "LA", "P", "PA", "1"})
 
 @dataclass(frozen=True)
 class EncodedImage:
-    """A PNG or JPEG whose header has been checked; `decode` gives its pixels."""
+    """A PNG or JPEG as sent: bytes, or base64 text (a data URL too)."""
 
-    data: bytes
-    format: str  # "PNG" or "JPEG"
-    height: int
-    width: int
+    data: bytes | str
 
     def decode(self, field: str) -> np.ndarray:
-        """HxWx3 uint8 (a fresh array)."""
+        """HxWx3 uint8, after checking the header: a PNG or JPEG, of at most MAX_IMAGE_SIDE pixels a
+        side, in a colour mode that becomes RGB."""
+        data = _from_text(self.data, field) if isinstance(self.data, str) else self.data
+        kind = next((kind for magic, kind in SIGNATURES.items() if data.startswith(magic)), None)
+        if kind is None:
+            raise InvalidObservation(field, f"bytes are not a PNG or JPEG image (they start with {data[:8]!r}); "
+                                            "send a PNG, a JPEG or an array of pixels")
         try:
-            with Image.open(io.BytesIO(self.data), formats=[self.format]) as image:
-                image.load()
-                return np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
-        except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt after a valid header
-            raise InvalidObservation(field, f"a broken {self.format}: {e}") from None
-
-
-def encoded_image(value: bytes | bytearray | memoryview | str, field: str) -> EncodedImage:
-    """Checks an encoded image's header: a PNG or JPEG, of at most MAX_IMAGE_SIDE pixels a side, in
-    a colour mode that becomes RGB. Text is base64, or a base64 data URL."""
-    data = _from_text(value, field) if isinstance(value, str) else bytes(value)
-    kind = next((kind for magic, kind in SIGNATURES.items() if data.startswith(magic)), None)
-    if kind is None:
-        raise InvalidObservation(field, f"bytes are not a PNG or JPEG image (they start with {data[:8]!r}); "
-                                        "send a PNG, a JPEG or an array of pixels")
-    try:
-        with Image.open(io.BytesIO(data), formats=[kind]) as image:  # reads the header only
+            image = Image.open(io.BytesIO(data), formats=[kind])  # reads the header only
+        except Image.DecompressionBombError:  # Pillow's own limit, far past ours
+            raise InvalidObservation(field, f"the {kind} header declares an image far larger than {MAX_IMAGE_SIDE}x"
+                                            f"{MAX_IMAGE_SIDE} pixels; refused before decoding") from None
+        except (OSError, ValueError, SyntaxError) as e:
+            raise InvalidObservation(field, f"not a readable {kind}: {e}") from None
+        with image:
             (width, height), mode = image.size, image.mode
-    except Image.DecompressionBombError:  # Pillow's own limit, far past ours
-        raise InvalidObservation(field, f"the {kind} header declares an image far larger than "
-                                        f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels; refused before decoding") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise InvalidObservation(field, f"not a readable {kind}: {e}") from None
-    if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
-        raise InvalidObservation(field, f"the {kind} is {width}x{height} pixels; sides must be 1 to {MAX_IMAGE_SIDE} "
-                                        "pixels (refused before decoding)")
-    if mode not in CONVERTIBLE_MODES:
-        raise InvalidObservation(field, f"a {kind} in colour mode {mode!r}; send 8-bit RGB, RGBA, greyscale or "
-                                        "palette images")
-    return EncodedImage(data, kind, height, width)
+            if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
+                raise InvalidObservation(field, f"the {kind} is {width}x{height} pixels; sides must be 1 to "
+                                                f"{MAX_IMAGE_SIDE} pixels (refused before decoding)")
+            if mode not in CONVERTIBLE_MODES:
+                raise InvalidObservation(field, f"a {kind} in colour mode {mode!r}; send 8-bit RGB, RGBA, "
+                                                "greyscale or palette images")
+            try:
+                image.load()
+                return np.asarray(image if mode == "RGB" else image.convert("RGB"))
+            except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt after a valid header
+                raise InvalidObservation(field, f"a broken {kind}: {e}") from None
 
 
 def _from_text(text: str, field: str) -> bytes:
