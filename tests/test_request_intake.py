@@ -158,7 +158,7 @@ def test_empty_images_are_refused_naming_the_field(client):
 
 
 # ---- encoded images (finding 5) -----------------------------------------------------------------------
-def test_png_over_msgpack_json_base64_and_data_url_equals_the_raw_arrays(client):
+def test_png_over_msgpack_json_base64_and_data_url_equals_the_raw_arrays(client, golden_policy):
     pixels = {"base_0_rgb": frame(1), "left_wrist_0_rgb": frame(2, size=(224, 224))}
     expected = reference(client, pixels)
     pngs = {cam: encode(p, "PNG") for cam, p in pixels.items()}
@@ -169,6 +169,9 @@ def test_png_over_msgpack_json_base64_and_data_url_equals_the_raw_arrays(client)
     assert np.array_equal(actions(post(client, json_body(as_urls), as_json=True)), expected)
     mixed = {"base_0_rgb": pngs["base_0_rgb"], "left_wrist_0_rgb": pixels["left_wrist_0_rgb"]}
     assert np.array_equal(actions(post(client, body(mixed))), expected)
+    python_api = {"images": pngs, "state": STATE, "task": "pick up the red block"}  # Policy.infer takes them too
+    assert np.array_equal(golden_policy.infer(python_api, noise=NOISE).actions,
+                          golden_policy.infer({**python_api, "images": pixels}, noise=NOISE).actions)
 
 
 @pytest.mark.parametrize("size", [(224, 224), (480, 640)])

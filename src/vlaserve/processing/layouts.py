@@ -105,13 +105,6 @@ class KeyLayout:
                 return True, self.aliases[spelling]
         return False, None
 
-    def camera_for(self, key: str) -> str | None:
-        """The camera image key `key` feeds; None: the key is ignored. Raises if it feeds none."""
-        found, camera = self._resolve(key)
-        if not found:
-            raise self._no_camera(key, sent=(key,), taken=())
-        return camera
-
     def _resolve(self, key: str) -> tuple[bool, str | None]:
         """(found, camera); found with camera None: the key is ignored."""
         aliased, camera = self.alias_of(key)
