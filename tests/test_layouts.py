@@ -119,3 +119,18 @@ def test_policy_infer_takes_lerobot_and_openpi_keys(golden_policy):
     for raw in ({"observation.images.base_0_rgb": image(1), "observation.state": state, "task": "x"},
                 {"observation/image": image(1), "observation/state": state, "prompt": "x"}):
         assert np.array_equal(golden_policy.infer(raw, noise=noise).actions, native.actions)
+
+
+def test_a_bare_alias_covers_every_spelling_of_its_camera_part_and_the_whole_key_wins():
+    layout = KeyLayout(GOLDEN_CAMERAS, aliases={"front": "base_0_rgb", "images.front": "right_wrist_0_rgb",
+                                                "cam_low": None})
+    for key in ("observation/front", "observation.images.front", "front"):
+        assert cameras_of(layout, {key: image(1)}) == {"base_0_rgb": int(image(1).flatten()[0])}
+    assert list(layout.canonical({"images": {"front": image(1), "cam_low": image(2)}})["images"]) == ["right_wrist_0_rgb"]
+
+
+def test_aliases_of_state_or_task_keys_are_refused_at_startup():
+    with pytest.raises(CheckpointError, match="'prompt' is no image key"):
+        check_camera_aliases({"prompt": "base_0_rgb"}, GOLDEN_CAMERAS)
+    with pytest.raises(CheckpointError, match="lacks"):
+        KeyLayout(GOLDEN_CAMERAS, aliases={"front": "top_cam"})  # checked when the layout is built, not per request

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidObservation, InvalidRequest
+from .processing.encoded import EncodedImage
 from .processing.images import bytes_to_model_range, place_frames
 
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
@@ -64,8 +65,11 @@ def float_array(value, field: str, ndim: int | None = None, max_abs: float | Non
     return array
 
 
-def image_array(value, field: str) -> np.ndarray:
-    """uint8 pixels stay bytes; other integers must be bytes in value; floats become float32."""
+def image_array(value, field: str) -> np.ndarray | EncodedImage:
+    """uint8 pixels stay bytes; other integers must be bytes in value; floats become float32. A PNG or
+    JPEG (bytes, or base64 text) is kept as sent: Policy.prepare checks and decodes it, off the event loop."""
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return EncodedImage(value if isinstance(value, str) else bytes(value))
     array = _numeric(value, field)
     if array.dtype == np.uint8:
         return array
@@ -86,24 +90,27 @@ def _integer(value, field: str, low: int, high: int) -> int:
 class Observation:
     """What the robot saw, with images keyed by the checkpoint's camera names."""
 
-    images: dict[str, np.ndarray]  # camera -> HxWx3 or 3xHxW, uint8 or float32
+    images: dict[str, np.ndarray | EncodedImage]  # camera -> HxWx3 or 3xHxW, uint8 or float32; or a PNG/JPEG
     state: np.ndarray  # float32 [state_dim], raw (un-normalized)
     task: str
     images_normalized: bool = False  # float images already in [-1, 1]
 
     @staticmethod
     def create(images: dict, state, task, images_normalized: bool = False) -> "Observation":
-        if not isinstance(images, dict) or not images:
+        if not isinstance(images, dict):
             raise InvalidObservation("images", "expected a mapping camera -> image")
         if not isinstance(task, str):
             raise InvalidRequest("task", "expected a string")
+        if not task.strip():
+            raise InvalidRequest("task", "is empty; give the instruction, e.g. 'pick up the red block'")
         if len(task) > MAX_TASK_CHARS:
             raise InvalidRequest("task", f"at most {MAX_TASK_CHARS} characters, got {len(task)}")
         if not isinstance(images_normalized, bool):
             raise InvalidRequest("images_normalized", "must be true or false")
-        arrays = {cam: None if image is None else image_array(image, f"images.{cam}") for cam, image in images.items()}
-        return Observation({c: a for c, a in arrays.items() if a is not None}, float_array(state, "state", ndim=1),
-                           task, images_normalized)
+        arrays = {cam: image_array(image, f"images.{cam}") for cam, image in images.items() if image is not None}
+        if not arrays:
+            raise InvalidObservation("images", "no camera image: send at least one")
+        return Observation(arrays, float_array(state, "state", ndim=1), task, images_normalized)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@ onto a checkpoint's cameras, state and task. The server and `Policy.infer` both 
 Cameras resolve by *role* (base, left wrist, right wrist): a robot's `observation/image` feeds
 whichever checkpoint camera plays the base role, be it `base_0_rgb` or LeRobot LIBERO's `image`.
 A key is resolved, in this order, by
-1. the config's `camera_aliases` (key -> camera; `null` ignores the key),
+1. the config's `camera_aliases` (key -> camera; `null` ignores the key): an alias names the whole
+   key (`observation.images.top`, `images.front`) or just its camera part (`top`, `front`), which
+   is what a user writing a nested `images` dict sees; the whole key wins,
 2. the default ignored keys (ALOHA's `cam_low`, which OpenPI's ALOHA policy drops too),
 3. the checkpoint's rename map (LeRobot `observation.*` keys, one simultaneous pass, as the
    reference's rename step; keys of the other layouts are never renamed),
 4. the camera's own name, then its role.
 An image key that maps to no camera, or any other unknown key, is an error with a "did you mean",
 never silently dropped: a policy that quietly runs without its wrist camera looks fine and acts wrong.
+A suggestion is close in its camera part and feeds a camera the observation has not filled yet: a
+key the request already sent is never suggested.
 """
 
 from __future__ import annotations
@@ -51,16 +55,30 @@ def camera_aliases(overrides: Mapping[str, str | None] | None = None) -> dict[st
 
 
 def check_camera_aliases(aliases: Mapping[str, str | None], cameras: tuple[str, ...]) -> None:
-    """At startup: an alias must point at a camera of the checkpoint (or be null)."""
+    """At startup: an alias must point at a camera of the checkpoint (or be null), and its key must be
+    one an image can arrive under (a state or task key never reaches the camera lookup)."""
     wrong = {key: camera for key, camera in aliases.items() if camera is not None and camera not in cameras}
     if wrong:
         raise CheckpointError(f"camera_aliases point at cameras this checkpoint lacks: {wrong} "
                               f"(its cameras: {', '.join(cameras)})")
+    not_images = [key for key, camera in aliases.items()
+                  if camera is not None and (not key or key in (*STATE_KEYS, *STATE_PARTS, *TASK_KEYS, *PASSED_THROUGH))]
+    if not_images:
+        raise CheckpointError(f"camera_aliases: {not_images[0]!r} is no image key; alias the key (or just the "
+                              "camera name) a robot sends its image under")
 
 
-def _did_you_mean(key: str, candidates) -> str:
-    close = difflib.get_close_matches(key, sorted(set(candidates)), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+def camera_part(key: str) -> str:
+    """The camera name inside an image key: `front` of `images.front`, `observation.images.front` and
+    `observation/front`."""
+    prefix = next((p for p in IMAGE_PREFIXES if key.startswith(p)), "")
+    return key[len(prefix):]
+
+
+def _did_you_mean(word: str, candidates: Mapping[str, str]) -> str:
+    """`candidates`: what `word` is compared with -> what is suggested for it."""
+    close = difflib.get_close_matches(word, sorted(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(candidates[c]) for c in close)}?" if close else ""
 
 
 class KeyLayout:
@@ -70,6 +88,7 @@ class KeyLayout:
                  rename_map: Mapping[str, str] | None = None):
         self.cameras = tuple(cameras)
         self.aliases = dict(aliases or {})
+        check_camera_aliases(self.aliases, self.cameras)
         self.rename_map = dict(rename_map or {})
         by_role: dict[str, list[str]] = {}
         for camera in self.cameras:
@@ -79,33 +98,43 @@ class KeyLayout:
         self.role_camera = {role: cams[0] for role, cams in by_role.items() if len(cams) == 1}
 
     # ---- cameras --------------------------------------------------------------------------
-    def camera_for(self, key: str, name: str | None) -> str | None:
-        """The camera image key `key` (whose camera part is `name`) feeds; None: the key is ignored."""
-        if key in self.aliases:
-            camera = self.aliases[key]
-            if camera is not None and camera not in self.cameras:
-                raise InvalidObservation(key, f"is aliased to {camera!r}, which this checkpoint lacks "
-                                              f"({', '.join(self.cameras)})")
-            return camera
-        if key in IGNORED_KEYS:
-            return None
-        renamed = self.rename_map.get(key, key)
-        if renamed != key and renamed.startswith(LEROBOT_IMAGE_PREFIX):
-            name = renamed[len(LEROBOT_IMAGE_PREFIX):]
-        if name in self.cameras:
-            return name
-        camera = self.role_camera.get(NAME_ROLES.get(name or ""))
-        if camera is not None:
-            return camera
-        raise InvalidObservation(key, f"maps to no camera of this checkpoint ({', '.join(self.cameras)}); "
-                                      "add it to camera_aliases in the server config (null ignores it)"
-                                 + _did_you_mean(key, self._camera_keys(key)))
+    def alias_of(self, key: str) -> tuple[bool, str | None]:
+        """(aliased, camera): the config's alias of the whole key, else of its camera part."""
+        for spelling in (key, camera_part(key)):
+            if spelling in self.aliases:
+                return True, self.aliases[spelling]
+        return False, None
 
-    def _camera_keys(self, key: str) -> list[str]:
-        """Keys in `key`'s style that would resolve to a camera, for "did you mean"."""
-        names = set(self.cameras) | {n for n, role in NAME_ROLES.items() if role in self.role_camera}
-        prefix = next((p for p in IMAGE_PREFIXES if key.startswith(p)), "")
-        return [prefix + n for n in names] + [k for k, c in self.aliases.items() if c is not None]
+    def _resolve(self, key: str) -> tuple[bool, str | None]:
+        """(found, camera); found with camera None: the key is ignored."""
+        aliased, camera = self.alias_of(key)
+        if aliased:
+            return True, camera
+        if key in IGNORED_KEYS:
+            return True, None
+        renamed = self.rename_map.get(key, key)
+        name = camera_part(renamed if renamed.startswith(LEROBOT_IMAGE_PREFIX) else key)
+        if name in self.cameras:
+            return True, name
+        camera = self.role_camera.get(NAME_ROLES.get(name, ""))
+        return camera is not None, camera
+
+    def _no_camera(self, key: str, sent, taken) -> InvalidObservation:
+        free = [c for c in self.cameras if c not in taken]
+        name = camera_part(key)
+        cameras = f"its cameras: {', '.join(self.cameras)}" + (
+            f"; without an image so far: {', '.join(free)}" if len(free) < len(self.cameras) else "")
+        return InvalidObservation(key, f"maps to no camera of this checkpoint ({cameras}); map it with "
+                                       f"camera_aliases {{{name!r}: CAMERA}}, or {{{name!r}: null}} to ignore it"
+                                  + _did_you_mean(name, self._camera_keys(key, sent, free)))
+
+    def _camera_keys(self, key: str, sent, free) -> dict[str, str]:
+        """Camera part -> key in `key`'s style, for each key that would feed a camera still `free` and
+        that the observation has not `sent` (for "did you mean")."""
+        prefix = key[:len(key) - len(camera_part(key))]
+        names = set(self.cameras) | set(NAME_ROLES) | {camera_part(k) for k in self.aliases}
+        keys = {name: prefix + name for name in names}
+        return {name: k for name, k in keys.items() if k not in sent and self._resolve(k)[1] in free}
 
     # ---- whole observations ---------------------------------------------------------------
     def canonical(self, raw: Mapping) -> dict:
@@ -116,14 +145,17 @@ class KeyLayout:
         images: dict[str, object] = {}
         out: dict[str, object] = {"images": images}
         parts: dict[str, object] = {}
+        sent: list[str] = []
+        unknown: list[str] = []  # reported once every key is known, so suggestions skip what was sent
 
-        def add_image(key: str, name: str | None, value) -> None:
-            camera = self.camera_for(key, name)
-            if camera is None:
-                return
-            if camera in images:
-                raise InvalidObservation(key, f"a second image for camera {camera!r}")
-            images[camera] = value
+        def add_image(key: str, value) -> None:
+            found, camera = self._resolve(key)
+            if not found:
+                unknown.append(key)
+            elif camera is not None:
+                if camera in images:
+                    raise InvalidObservation(key, f"a second image for camera {camera!r}")
+                images[camera] = value
 
         def set_once(target: str, key: str, value) -> None:
             if target in out:
@@ -133,6 +165,7 @@ class KeyLayout:
         for key, value in raw.items():
             if not isinstance(key, str):
                 raise InvalidObservation(repr(key), "observation keys must be strings")
+            sent.append(key)
             if key in self.aliases and self.aliases[key] is None:
                 continue  # ignored by the config, whatever the key is
             renamed = self.rename_map.get(key, key) if key.startswith("observation.") else key
@@ -140,7 +173,8 @@ class KeyLayout:
                 if not isinstance(value, Mapping):
                     raise InvalidObservation("images", "must be a map from camera name to image")
                 for name, image in value.items():
-                    add_image(f"images.{name}", str(name), image)
+                    sent.append(f"images.{name}")
+                    add_image(f"images.{name}", image)
             elif key in PASSED_THROUGH:  # before the image keys: `images_normalized` is no camera
                 out[key] = value
             elif renamed in STATE_KEYS:
@@ -149,18 +183,28 @@ class KeyLayout:
                 parts[key] = value
             elif key in TASK_KEYS:
                 set_once("task", key, value)
-            elif key.startswith(LEROBOT_IMAGE_PREFIX):
-                add_image(key, key[len(LEROBOT_IMAGE_PREFIX):], value)
-            elif key in self.aliases or "image" in key.lower():
-                add_image(key, key.removeprefix("observation/"), value)
+            elif self._is_image_key(key):
+                add_image(key, value)
             else:
-                known = [*STATE_KEYS, *STATE_PARTS, *TASK_KEYS, *PASSED_THROUGH,
-                         *self._camera_keys("observation/"), *self._camera_keys(LEROBOT_IMAGE_PREFIX)]
-                raise InvalidObservation(key, "unknown observation key (state is 'state', the task 'prompt' or "
-                                              "'task')" + _did_you_mean(key, known))
+                unknown.append(key)
+        if unknown:
+            raise self._unknown(unknown[0], sent, images)
         if parts:
             set_once("state", next(iter(parts)), _droid_state(parts))
         return out
+
+    def _is_image_key(self, key: str) -> bool:
+        return "image" in key.lower() or self.alias_of(key)[0]
+
+    def _unknown(self, key: str, sent: list[str], images: dict) -> InvalidObservation:
+        if self._is_image_key(key):
+            return self._no_camera(key, sent, images)
+        free = [c for c in self.cameras if c not in images]
+        known = [*STATE_KEYS, *STATE_PARTS, *TASK_KEYS, *PASSED_THROUGH,
+                 *self._camera_keys("observation/", sent, free).values(),
+                 *self._camera_keys(LEROBOT_IMAGE_PREFIX, sent, free).values()]
+        return InvalidObservation(key, "unknown observation key (state is 'state', the task 'prompt' or 'task')"
+                                  + _did_you_mean(key, {k: k for k in known if k not in sent}))
 
 
 def _droid_state(parts: dict) -> np.ndarray:

@@ -16,6 +16,7 @@ from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
 from ..model.pi05 import RTCGuidance, rtc_prefix_weights
 from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
+from .encoded import EncodedImage
 from .images import bytes_to_model_range, empty_image, prepare_image
 from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer
@@ -65,8 +66,9 @@ class Preprocessor:
         resolution = c.image_resolution[0]
         # The reference's slot order: present cameras in config order, then the absent ones.
         slot_cameras = present + [cam for cam in c.cameras if cam not in present]
-        slots = [prepare_image(obs.images[cam], resolution, f"images.{cam}", obs.images_normalized, keep_bytes=True,
-                               defer_resize=self.defer_resize) for cam in present]
+        slots = [prepare_image(_pixels(obs.images[cam], f"images.{cam}"), resolution, f"images.{cam}",
+                               obs.images_normalized, keep_bytes=True, defer_resize=self.defer_resize)
+                 for cam in present]
         # Frames left unresized (defer_resize) are finished on the device; their slots hold the blank.
         pending = [(i, s) for i, s in enumerate(slots) if s.shape[1:] != (resolution, resolution)]
         bytes_only = all(s.dtype == torch.uint8 for s in slots)
@@ -164,6 +166,11 @@ class Preprocessor:
         if self.pipeline.relative_actions is None:
             return actions
         return self.pipeline.to_absolute(actions, np.stack([r.observation.state for r in requests]))
+
+
+def _pixels(image, field: str):
+    """A PNG or JPEG is decoded here, on the thread that prepares the request (the server's workers)."""
+    return image.decode(field) if isinstance(image, EncodedImage) else image
 
 
 def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -6,14 +6,20 @@ Why an Origin check: a web page can POST to a server on localhost or the robot's
 `text/plain` or a form without a CORS preflight, and open websockets to it. Browsers always send
 `Origin` on those requests; robots, curl and openpi-client don't. So by default any request that
 carries an Origin is refused, and `--allowed-origins` lists the pages that may call the server
-(they also get CORS headers, from Starlette's CORSMiddleware inside this layer).
+(they also get CORS headers, from Starlette's CORSMiddleware inside this layer). The server's own
+pages (/docs' "Try it out") pass too: their Origin is the request's own scheme://Host, for a Host
+that is an IP address or `localhost`. A Host that is a DNS name is not trusted that way: a page of
+any domain can have it resolve to this server (DNS rebinding) and be "same-origin"; such a name
+goes in --allowed-origins.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
+from urllib.parse import urlsplit
 
 from starlette.requests import ClientDisconnect
 
@@ -33,6 +39,26 @@ async def send_json_error(send, status: int, type: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _header(scope, name: bytes) -> str | None:
+    return next((value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name), None)
+
+
+def _same_origin(origin: str, scope) -> bool:
+    """`origin` is this server's own, as the request's Host names it, and that Host cannot be a
+    rebound DNS name (an IP address, or localhost, which browsers resolve themselves)."""
+    host = _header(scope, b"host")
+    scheme = {"ws": "http", "wss": "https"}.get(scope.get("scheme"), scope.get("scheme"))
+    if host is None or origin != f"{scheme}://{host.lower()}":
+        return False
+    try:
+        hostname = urlsplit(origin).hostname or ""
+        if hostname != "localhost":
+            ipaddress.ip_address(hostname)
+    except ValueError:  # a DNS name, or a malformed Host
+        return False
+    return True
+
+
 class Guard:
     def __init__(self, app, metrics: Metrics, allowed_origins: tuple[str, ...]):
         self.app = app
@@ -41,10 +67,11 @@ class Guard:
         self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
 
     def origin_allowed(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"origin":
-                return self.allow_any_origin or value.decode("latin-1").rstrip("/").lower() in self.allowed_origins
-        return True  # not a browser
+        origin = _header(scope, b"origin")
+        if origin is None:
+            return True  # not a browser
+        origin = origin.rstrip("/").lower()
+        return self.allow_any_origin or origin in self.allowed_origins or _same_origin(origin, scope)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -69,7 +96,8 @@ class Guard:
             if not self.origin_allowed(scope):
                 await send_json_error(send_tracked, 403, "forbidden_origin",
                                          "requests from web pages are refused unless their origin is in "
-                                         "--allowed-origins")
+                                         "--allowed-origins (or is this server's own, at an IP address or "
+                                         "localhost)")
             else:
                 await self.app(scope, receive, send_tracked)
         except ClientDisconnect:
@@ -90,7 +118,8 @@ class Guard:
             await receive()  # websocket.connect
             if "websocket.http.response" in scope.get("extensions", {}):
                 body = error_body(403, "forbidden_origin", "websockets from web pages are refused unless "
-                                                           "their origin is in --allowed-origins")
+                                                           "their origin is in --allowed-origins (or is this "
+                                                           "server's own, at an IP address or localhost)")
                 await send({"type": "websocket.http.response.start", "status": 403,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "websocket.http.response.body", "body": body})

@@ -56,7 +56,8 @@ class _Strict(BaseModel):
 
 class ObservationIn(_Strict):
     images: dict[str, Any] = Field(
-        description="camera name -> image: HxWx3 or 3xHxW, uint8 values or floats in [0, 1]")
+        description="camera name -> image: HxWx3 or 3xHxW, uint8 values or floats in [0, 1]; or a PNG or JPEG "
+                    "(msgpack bytes; in JSON base64 or a data:image/jpeg;base64, URL)")
     state: Any = Field(description="robot state, one number per state dimension")
     noise: Any = Field(None, description="optional flow-matching noise [action_horizon, max_action_dim]")
     images_normalized: bool = Field(False, description="float images are already in [-1, 1]")
