@@ -19,3 +19,7 @@ def golden_policy(golden):
     from vlaserve import Policy
 
     return Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes long on 2 CPU cores (servers, Ray, the Triton interpreter)")
