@@ -124,16 +124,6 @@ class PowerSampler:
         return False
 
 
-def hold(fn, seconds: float):
-    """Runs fn back to back for `seconds` (synchronizing every few calls): what follows is timed at
-    the clock the GPU holds under that load (at its power limit for GEMMs)."""
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-
-
 def hold(fn, seconds: float, device: str):
     """Runs fn back to back for `seconds` (synchronizing every few calls): what follows is timed at
     the clock the GPU holds under that load (at its power limit for GEMMs)."""
@@ -714,7 +704,7 @@ def profiles(results, served, model, policy_config, inputs, noise, timings, flop
         results[f"no_pdl_b{b}_p50_ms"] = time_ms(lambda: served_call(plain, inp, noi))["p50_ms"]
         results[f"profile_b{b}_no_pdl"] = profile_kernels(plain, inp, noi)
     kernels.TUNING["pdl"] = None
-    del plain
+    plain = None  # its graphs and buffers go before the cache is emptied
     torch.cuda.empty_cache()
 
 

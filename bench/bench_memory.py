@@ -29,7 +29,6 @@ import functools
 import gc
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import (ROOT, STEPS, TOKENS, VALID_TOKENS, CAMERA_NAMES, aloha_config, evict_from_page_cache,
+from common import (CAMERA_NAMES, STEPS, TOKENS, VALID_TOKENS, aloha_config, evict_from_page_cache,
                     golden_checkpoint, log, make_inputs, model_config, parser, pyplot, random_model, sample,
                     save_json, save_png, server_env, time_ms, write_checkpoint)
 from vlaserve.checkpoint.weights import build_model, load_weights
