@@ -221,7 +221,7 @@ def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
     """The CPU golden tests, rerun on the device: fp32 eager (every recorded tensor), then the fp32
     fast path (the actions); the first `cases` cases, or all."""
     from vlaserve import Policy
-    from vlaserve.golden import GoldenCase, case_dirs, compare_case
+    from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -236,6 +236,7 @@ def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
                                           num_steps=case.meta["num_steps"], rtcs=case.rtcs())
         fast = max(float(abs(r.actions - e).max()) for r, e in zip(results, case.tensors["expected.actions"]))
         out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_max_delta": max(deltas.values()),
+                              "eager_beyond_tolerance": beyond_tolerance(case, deltas),
                               "fast_actions_max_delta": fast, "fast_path": fast_policy.metadata["fast_path"]}
     return out
 

@@ -40,7 +40,7 @@ def check_bench_gpu(out: Path) -> None:
     r = result(out, "bench_gpu", png=True)
     assert r["device"] == "cpu" and r["smoke"] and r["served_variant"] == "eager_runner"
     (case,) = r["golden"].values()
-    assert case["exact_ok"] and case["eager_max_delta"] < 1e-5
+    assert case["exact_ok"] and not case["eager_beyond_tolerance"]
     acc = r["accuracy"]["1"]
     # The eager runner runs the eager model: the same function, bit for bit; bf16 is not fp32.
     assert acc["eager_runner_vs_eager_bf16"] == 0.0 and acc["fast_repeat_bit_identical"]
@@ -153,7 +153,8 @@ def test_bench_gpu_golden_only_and_saved_actions(tmp_path):
     run("bench_gpu", tmp_path / "second", "--golden-only", "--compare-actions", str(saved))
     r = result(tmp_path / "second", "golden_gpu", png=False)
     for family in ("pi05_golden", "pi0_golden"):
-        assert all(case["exact_ok"] and case["eager_max_delta"] < 1e-5 for case in r[family]["cases"].values())
+        # The golden tests' own tolerances (vlaserve.golden.tolerance): 1e-5, RTC's guided velocity more.
+        assert all(case["exact_ok"] and not case["eager_beyond_tolerance"] for case in r[family]["cases"].values())
         assert r[family]["prefix_cache_hit_equals_miss"] and r[family]["overlapped_equals_serial"]
     assert [(v["bit_identical"], v["max_abs_diff"]) for v in r["actions_vs_saved"].values()] == [(True, 0.0)] * 2
 
