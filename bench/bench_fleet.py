@@ -13,18 +13,15 @@ Reports per level: throughput, p50/p90/p99/max latency, the batch-size histogram
 from /metrics (captures after ready must stay flat; through Ray's proxy a scrape reaches one replica,
 so with several replicas these cover one of them), errors and crossed answers; and, from the same
 run, the device time at batch 1 and the server's own share around it (the OpenPI socket's
-prev_total_ms, frame received -> reply sent, minus the device time). JSON + PNG in bench/results/.
+prev_total_ms, frame received -> reply sent, minus the device time). Writes bench_fleet[_LABEL].json
+and .png; --smoke serves the golden checkpoint on the CPU to 1 and 2 robots for a second each.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,33 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+from common import (bench_checkpoint, log, parser, percentiles, pyplot, robot_observation, save_json, save_png,
+                    start_server, stop_server, wait_until_healthy)
 
-from bench_serve import free_port, log, wait_until_healthy  # noqa: E402
-from fixtures import fixture_dir  # noqa: E402
-
-CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 # Batched and single answers of one robot differ by bf16 rounding (~1e-2 at full size); different robots'
 # answers differ by ~1 and more. An answer further than this from its own reference is wrong.
 WRONG_ANSWER = 0.25
-
-
-def robot_observation(robot: int, state_dim: int, horizon: int, max_action_dim: int,
-                      frame: tuple[int, int] = (224, 224)) -> dict:
-    rng = np.random.default_rng(1000 + robot)
-    obs = {f"observation.images.{c}": rng.integers(0, 256, (*frame, 3), dtype=np.uint8) for c in CAMERAS}
-    obs["observation.state"] = rng.uniform(-1, 1, state_dim).astype(np.float32)
-    obs["prompt"] = f"robot {robot}: pick up the red block"
-    obs["noise"] = rng.standard_normal((horizon, max_action_dim)).astype(np.float32)
-    return obs
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def scrape(port: int) -> dict:
@@ -138,16 +114,18 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
         t.join()
     elapsed = time.perf_counter() - began
     flat = [x for per in latencies for x in per]
+    spread = percentiles(flat)
     return {"robots": n, "hz": hz, "answers": len(flat), "obs_per_s": len(flat) / max(seconds, 1e-9),
-            "wall_s": elapsed, "p50_ms": percentile(flat, 0.5), "p90_ms": percentile(flat, 0.9),
-            "p99_ms": percentile(flat, 0.99), "max_ms": max(flat), "errors": errors[0], "wrong": wrong[0],
+            "wall_s": elapsed, "p50_ms": spread["p50_ms"], "p90_ms": spread["p90_ms"],
+            "p99_ms": spread["p99_ms"], "max_ms": spread["max_ms"], "errors": errors[0], "wrong": wrong[0],
             "crossed": crossed[0], "server_total_p50_ms": statistics.median(server_totals) if server_totals else None}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
+    ap.add_argument("--checkpoint", default=None,
+                    help="default: a full-size random checkpoint (cuda) or the golden one (cpu, --smoke)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--checkpoint", default=None, help="default: a full-size random checkpoint (cuda) or the golden one")
     ap.add_argument("--robots", default="1,2,4,8,16,32")
     ap.add_argument("--hz", default="4", help="paced levels at this rate per robot (comma list; 0: none)")
     ap.add_argument("--paced-robots", default="8,16")
@@ -157,35 +135,21 @@ def main() -> None:
                     help="the server: vlaserve serve, or the Ray Serve app (vlaserve[ray])")
     ap.add_argument("--frame", default="224x224", help="camera frame HxW (other than 224x224: resized by the server)")
     ap.add_argument("--label", default="")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
+    if args.smoke:
+        args.device, args.robots, args.hz, args.paced_robots, args.seconds = "cpu", "1,2", "2", "2", 1.0
+    alone_calls = 3 if args.smoke else 40
 
-    template = fixture_dir("pi05_golden") / "checkpoint"
-    results: dict = {"device": args.device, "command": args.command, "serve_args": args.serve_args,
-                     "seconds": args.seconds, "frame": args.frame}
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    if checkpoint is None and args.device == "cuda":
-        checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
-    if checkpoint is None:
-        checkpoint = template
-    elif not checkpoint.exists():
-        import torch
-
-        from bench_memory import write_checkpoint
-        from vlaserve.config import ModelConfig
-
-        checkpoint.mkdir(parents=True)
-        write_checkpoint(checkpoint, template, ModelConfig.full_size(), args.device)
-        torch.cuda.empty_cache()
-
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "vlaserve.cli", args.command, str(checkpoint), "--device", args.device,
-               "--port", str(port), "--warmup", "blocking", *args.serve_args.split()]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    results: dict = {"device": args.device, "smoke": args.smoke, "command": args.command,
+                     "serve_args": args.serve_args, "seconds": args.seconds, "frame": args.frame}
+    workdir = Path(tempfile.mkdtemp(prefix="bench_fleet-"))
+    checkpoint = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(args.smoke, args.device, workdir)
+    log_path = workdir / "server.log"
+    server, port = start_server(args.command, checkpoint, ["--device", args.device, "--warmup", "blocking",
+                                                           *args.serve_args.split()], log_path)
     started = time.perf_counter()
     try:
-        wait_until_healthy(server, port)
+        wait_until_healthy(server, port, log_path)
         results["ready_s"] = time.perf_counter() - started
         meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         results["metadata"] = {k: meta.get(k) for k in ("dtype", "device", "fast_path", "graph_captures", "graph_bytes",
@@ -202,7 +166,7 @@ def main() -> None:
         references, stages, totals, infer, walls = [], {}, [], [], []
         for obs in observations:  # each robot's answer alone: the reference
             references.append(alone.infer(obs)["actions"])
-        for _ in range(40):  # device time and where the server's own share goes, at batch 1, same run
+        for _ in range(alone_calls):  # device time and where the server's own share goes, at batch 1, same run
             t0 = time.perf_counter()
             out = alone.infer(observations[0])
             walls.append((time.perf_counter() - t0) * 1e3)
@@ -243,28 +207,14 @@ def main() -> None:
                 f"{level['batches']}, errors {level['errors']}, wrong {level['wrong']}, crossed {level['crossed']}, "
                 f"captures {level['captures_during']}, uncaptured {level['uncaptured_during']}")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        results["server_log_tail"] = "\n".join(line for line in server.stdout.read().splitlines()
-                                               if "loading weights" not in line)[-3000:]
+        _, results["server_log_tail"] = stop_server(server, log_path)
     stem = f"bench_fleet{'_' + args.label if args.label else ''}"
-    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    plot(results, [d for d in (ROOT / "bench" / "results", Path(args.out) if args.out else None) if d], stem)
+    save_json(results, args.out, stem)
+    plot(results, args.out, stem)
 
 
-def plot(results: dict, dirs: list[Path], stem: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+def plot(results: dict, out: str, stem: str) -> None:
+    plt = pyplot()
     back = [lv for lv in results["levels"] if not lv["hz"]]
     fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4))
     robots = [lv["robots"] for lv in back]
@@ -275,8 +225,7 @@ def plot(results: dict, dirs: list[Path], stem: str) -> None:
     thr.plot(robots, [lv["obs_per_s"] for lv in back], marker="o")
     thr.set(xscale="log", xlabel="robots (back to back)", ylabel="observations / s")
     fig.suptitle(f"vlaserve fleet, {results['device']}, openpi-client")
-    for d in dirs:
-        fig.savefig(d / f"{stem}.png", dpi=110, bbox_inches="tight")
+    save_png(fig, out, stem)
 
 
 if __name__ == "__main__":

@@ -1,47 +1,46 @@
-"""GPU benchmark of Pi0.5 on the "ALOHA-3" workload, ours against LeRobot 0.6.1, in one run.
+"""GPU speed and accuracy of Pi0.5 on the ALOHA-3 workload, ours against LeRobot 0.6.1, in one run.
 
-Full-size Pi0.5 with random weights (bf16 + fp32 set), 3 cameras 224x224, prompts padded to
-200 tokens (70 valid) -> 968 prefix tokens, chunk 50x32, 10 steps; batch 1, 2, 4, 8.
+Full-size Pi0.5 with random weights (bf16 + the fp32 set), 3 cameras 224x224, prompts padded to 200
+tokens (70 valid) -> 968 prefix tokens, chunk 50x32, 10 steps; batch 1, 2, 4, 8. First the golden
+cases on the device; then checks (max|Δ| of actions between variants, against the same weights in
+fp32), then CUDA-event times of each variant after warm-up: the fast path (Triton + graphs, torch +
+graphs, torch alone) and the eager model, the served call at the default prompt bucket, its stage
+split and per-kernel profile, the exact prefix cache, Policy.infer with host work, and with
+--lerobot LeRobot's PI05 on the same weights. The GEMM ceiling is measured in a burst and sustained
+at the power limit (the batch-8 floor is given at both); NVML's SM clock and board power are read
+while each batch size's default path is timed. Writes bench_gpu.json and .png.
 
-    python bench/bench_gpu.py [--lerobot] [--tune] [--batches 1,2,4,8] [--golden DIR] [--out DIR]
+--golden-only: the golden cases of both families on the device (eager: every recorded tensor; fast
+path: the actions), the prefix-cache hit against its miss, two batches enqueued back to back against
+each alone, and a prompt bucket served from graphs captured at warm-up; writes golden_gpu.json.
+--actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8 (with
+p50 times); --compare-actions FILE compares them bit for bit with a file saved on another tree:
+the gate of a refactor that must not change what is computed.
 
-From a clean checkout: `bench/prepare_device.sh` here (golden copy + wheels), then one device call
-carrying `.golden` and `.whl` (the script's header has the command).
-
-Checks first (max|Δ| of actions between variants), then times each variant with CUDA events
-after warm-up, and writes JSON + PNG under bench/results/ (and --out). The GEMM ceiling is
-measured twice: in a burst, and sustained at the GPU's power limit (the batch-8 floor is given at
-both); NVML's SM clock and board power are read while each batch size's default path is timed.
+    python bench/bench_gpu.py [--lerobot] [--batches 1,2,4,8] [--gemm-library quack] [--out DIR]
+    python bench/bench_gpu.py --golden-only [--actions after.pt --compare-actions before.pt]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_checkpoint, lerobot_policy, log,
+                    make_inputs, maxdiff, parser, per_item_max, pyplot, sample, save_json, save_png, time_ms)
+from vlaserve.checkpoint.weights import to_lerobot_name
+from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, RuntimeConfig
+from vlaserve.model.pi05 import Pi05Model
+from vlaserve.runtime.runner import EagerRunner
+from vlaserve.types import ModelInputs
 
-from vlaserve.checkpoint.weights import random_model, to_lerobot_name  # noqa: E402
-from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
-from vlaserve.model.pi05 import Pi05Model  # noqa: E402
-from vlaserve.runtime.fast.graphs import FastRunner  # noqa: E402
-from vlaserve.types import ModelInputs  # noqa: E402
-
-CAMERAS, TOKENS, VALID_TOKENS, HORIZON, STEPS = 3, 200, 70, 50, 10
-sys.path.insert(0, str(ROOT / "tests"))
-from fixtures import fixture_dir  # noqa: E402  (unpacks the repository's golden fixtures)
-
-GOLDEN = str(fixture_dir("pi05_golden"))
+CAMERAS = 3
+TIMING = {"warmup": 3, "iters": 20}  # per time_ms; --smoke: 1 and 2
 
 
 def flops_per_call(model: Pi05Model, num_cameras: int, token_len: int, horizon: int, steps: int) -> dict:
@@ -76,43 +75,15 @@ def floor_ms_batched(flops: dict, b: int, steps: int, ceilings: dict) -> float:
     return (prefix + expert) * 1e3
 
 
-def log(*args):
-    print(*args, flush=True)
-
-
-def time_cuda(fn, warmup=3, iters=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return {"p50_ms": statistics.median(times), "p95_ms": times[min(len(times) - 1, int(0.95 * len(times)))],
-            "min_ms": times[0], "n": len(times)}
-
-
-def time_graphed(fn, warmup=3, iters=20):
-    """time_cuda of `fn` captured in one CUDA graph (run once before, so that its kernels are
-    compiled and its buffers allocated): what the fast path's graphs pay, no launch overhead."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, warmup=warmup, iters=iters)
-
-
 class PowerSampler:
     """The SM clock and board power, read by NVML every few ms while a block runs: whether it ran
     at the power limit (the H200 holds 700 W by lowering its clock; run 86). Empty without NVML."""
 
-    def __init__(self, interval_s: float = 0.005):
+    def __init__(self, device: str = "cuda", interval_s: float = 0.005):
         self.interval_s, self.result, self._samples = interval_s, {}, []
+        self._nvml = None
+        if device != "cuda":
+            return
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -153,51 +124,40 @@ class PowerSampler:
         return False
 
 
-def hold(fn, seconds: float):
+def hold(fn, seconds: float, device: str):
     """Runs fn back to back for `seconds` (synchronizing every few calls): what follows is timed at
     the clock the GPU holds under that load (at its power limit for GEMMs)."""
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         for _ in range(10):
             fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+
+def ceilings(device: str, n: int = 8192, copy_bytes: int = 2 * 1024**3, hold_s: float = 3.0):
+    """The bf16 GEMM ceiling twice: a short burst (10 products of n^3 at full clock) and sustained
+    (after `hold_s` of back-to-back products, at the power limit: the rate a batch-8 call made only
+    of GEMMs would hold), and the device-to-device copy rate."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    flop = 2 * n**3
+    if device == "cuda":
         torch.cuda.synchronize()
-
-
-def ceilings():
-    """The bf16 GEMM ceiling twice: a short burst (10 products of 8192^3 at full clock) and
-    sustained (after 3 s of back-to-back products, at the power limit: the rate a batch-8 call made
-    only of GEMMs would hold), and the device-to-device copy rate."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    flop = 2 * 8192**3
-    torch.cuda.synchronize()
-    time.sleep(2.0)  # start cool: the burst figure is the full-clock one
-    t = time_cuda(lambda: a @ b, warmup=3, iters=10)["p50_ms"]
-    hold(lambda: a @ b, 3.0)
-    with PowerSampler() as power:
-        ts = time_cuda(lambda: a @ b, warmup=0, iters=20)["p50_ms"]
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+        time.sleep(2.0)  # start cool: the burst figure is the full-clock one
+    t = time_ms(lambda: a @ b, device, warmup=3, iters=10)["p50_ms"]
+    hold(lambda: a @ b, hold_s, device)
+    with PowerSampler(device) as power:
+        ts = time_ms(lambda: a @ b, device, warmup=0, iters=20)["p50_ms"]
+    x = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    tc = time_cuda(lambda: y.copy_(x), warmup=2, iters=10)["p50_ms"]
+    tc = time_ms(lambda: y.copy_(x), device, warmup=2, iters=10)["p50_ms"]
     return {"bf16_gemm_tflops": flop / (t * 1e-3) / 1e12, "bf16_gemm_tflops_sustained": flop / (ts * 1e-3) / 1e12,
             "sustained_nvml": power.result, "copy_tbps": 2 * x.numel() / (tc * 1e-3) / 1e12}
 
 
 def at_sustained(ceiling: dict) -> dict:
     return {**ceiling, "bf16_gemm_tflops": ceiling["bf16_gemm_tflops_sustained"]}
-
-
-def random_prefix_inputs(g, b: int, vocab: int, cameras: int = CAMERAS, tokens: int = TOKENS,
-                         valid: int = VALID_TOKENS):
-    """Images in [-1, 1] (every camera present) and prompts of `valid` random tokens padded to
-    `tokens`, drawn from generator g: (images, image_masks, tokens, token_mask) on the GPU."""
-    images = torch.rand(b, cameras, 3, 224, 224, device="cuda", generator=g) * 2 - 1
-    masks = torch.ones(b, cameras, dtype=torch.bool, device="cuda")
-    ids = torch.randint(3, vocab, (b, tokens), device="cuda", generator=g)
-    token_mask = torch.zeros(b, tokens, dtype=torch.bool, device="cuda")
-    token_mask[:, :valid] = True
-    ids[~token_mask] = 0
-    return images, masks, ids, token_mask
 
 
 def default_bucket(tokens: int = TOKENS) -> int:
@@ -214,13 +174,6 @@ def bucketed(inputs: ModelInputs, length: int) -> ModelInputs:
                        inputs.token_mask[:, :length].contiguous(), inputs.state, inputs.pending)
 
 
-def make_inputs(b: int, vocab: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    prefix = random_prefix_inputs(g, b, vocab)
-    noise = torch.randn(b, HORIZON, 32, device="cuda", generator=g)
-    return ModelInputs(*prefix), noise
-
-
 def eager(model, inputs, noise):
     with torch.no_grad():
         return model.sample(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, noise, STEPS)
@@ -228,52 +181,32 @@ def eager(model, inputs, noise):
 
 def served_call(engine, inputs, noise):
     """One call as the server makes it: Runtime.launch reads the camera slots in use from the host
-    batch and passes them on, so nothing in the timed window waits on the device (FastRunner.sample
+    batch and passes them on, so nothing in the timed window waits on the device (a fast path call
     without them reads the masks back: a device round trip before the graphs are launched). Every
     camera of the bench's inputs is present."""
-    return engine.sample(inputs, noise, STEPS, None, vision_slots=CAMERAS)
+    return sample(engine, inputs, noise, STEPS, vision_slots=CAMERAS)
 
 
-def maxdiff(a, b) -> float:
-    return float((a.float() - b.float()).abs().max())
+def runners(model, policy_config, device: str, gemm_library: str, attention_library: str) -> dict:
+    """The variants timed, the served one first: on CUDA the fast path with Triton kernels and
+    graphs, with torch's kernels and graphs, with neither; on a CPU (--smoke) the eager runner."""
+    if device != "cuda":
+        return {"eager_runner": EagerRunner(model, torch.device(device))}
+    from vlaserve.runtime.fast.graphs import FastRunner
+
+    return {"fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
+                                             gemm_library=gemm_library, attention_library=attention_library),
+            "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
+            "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False)}
 
 
-def per_item_max(a, b) -> float:
-    return float((a.float() - b.float()).abs().flatten(1).max(1).values.mean())
-
-
-def lerobot_policy(policy_cls, config_cls, state: dict, dtype: str, fp32_modules: tuple[str, ...]):
-    """A LeRobot 0.6.1 policy (ALOHA-3 features) holding exactly `state` (LeRobot names), built on the
-    GPU in `dtype` with `fp32_modules` upcast as LeRobot keeps them."""
-    from lerobot.configs.types import FeatureType, PolicyFeature
-
-    feats = {f"observation.images.{c}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, 224, 224))
-             for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
-    feats["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(14,))
-    out = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(32,))}
-    torch.set_default_device("cuda")
-    torch.set_default_dtype(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    try:
-        policy = policy_cls(config_cls(device="cuda", dtype=dtype, input_features=feats, output_features=out))
-    finally:
-        torch.set_default_dtype(torch.float32)
-        torch.set_default_device(None)
-    for name in fp32_modules:
-        getattr(policy.model, name).float()
-    missing, unexpected = policy.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "lm_head" not in k]
-    if missing or unexpected:
-        raise RuntimeError(f"lerobot load: missing {missing[:5]} unexpected {unexpected[:5]}")
-    return policy.eval()
-
-
-def build_lerobot(model, dtype: str):
+def build_lerobot(model, dtype: str, device: str):
     """LeRobot 0.6.1's PI05 (eager) holding exactly our weights."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
     return lerobot_policy(PI05Policy, PI05Config, {to_lerobot_name(n): p for n, p in model.named_parameters()},
-                          dtype, ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"))
+                          dtype, ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"), device)
 
 
 def lerobot_sample(policy, inputs, noise):
@@ -283,65 +216,163 @@ def lerobot_sample(policy, inputs, noise):
         return policy.model.sample_actions(imgs, masks, inputs.tokens, inputs.token_mask, noise=noise)
 
 
-def golden_check(golden: Path) -> dict:
-    """The CPU golden tests, rerun on the GPU: fp32 eager, then the fp32 fast path."""
+# ---- golden cases on the device ------------------------------------------------------------------
+def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
+    """The CPU golden tests, rerun on the device: fp32 eager (every recorded tensor), then the fp32
+    fast path (the actions); the first `cases` cases, or all."""
     from vlaserve import Policy
-    from vlaserve.golden import GoldenCase, case_dirs, compare_case
+    from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     out = {}
-    policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False,
+    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
                                     fast_path=False)
-    fast_policy = Policy.from_pretrained(golden / "checkpoint", device="cuda", dtype="float32", progress=False)
-    for case_dir in case_dirs(golden):
+    fast_policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False)
+    for case_dir in case_dirs(golden)[:cases]:
         case = GoldenCase.load(case_dir)
         exact, deltas = compare_case(policy, case)
-        eager_worst = max(deltas.values())
         results = fast_policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
                                           num_steps=case.meta["num_steps"], rtcs=case.rtcs())
         fast = max(float(abs(r.actions - e).max()) for r, e in zip(results, case.tensors["expected.actions"]))
-        out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_cuda_max_delta": eager_worst,
-                              "fast_cuda_actions_max_delta": fast}
+        out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_max_delta": max(deltas.values()),
+                              "eager_beyond_tolerance": beyond_tolerance(case, deltas),
+                              "fast_actions_max_delta": fast, "fast_path": fast_policy.metadata["fast_path"]}
     return out
 
 
-def policy_wall_time(model, engine) -> dict:
+def cache_hit_equals_miss(golden: Path, device: str) -> bool:
+    """A batch served twice with the prefix cache on: the second a hit (Pi0's state token recomputed
+    after the restore), bitwise the first."""
+    import numpy as np
+
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
+                                    prefix_cache=4)
+    case = GoldenCase.load(case_dirs(golden)[0])
+    runs = [policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
+                               num_steps=case.meta["num_steps"]) for _ in range(2)]
+    stats = policy.metadata["prefix_cache"]
+    return stats["hits"] >= 1 and all(np.array_equal(a.actions, b.actions) for a, b in zip(*runs))
+
+
+def overlapped_equals_serial(golden: Path, device: str) -> bool:
+    """Two batches of one size enqueued back to back (the second's inputs copied into the graph's
+    buffers while the first still runs), then waited for: bitwise the answers of running each alone."""
+    import numpy as np
+
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False)
+    batches = []
+    for case_dir in case_dirs(golden)[:2]:
+        case = GoldenCase.load(case_dir)
+        batches.append([policy.request(o, noise=n) for o, n in zip(case.observations(), case.tensors["input.noise"])])
+    batches = [b[:1] for b in batches]  # one size, so both use the same static buffers and graphs
+    serial = [policy.run(b) for b in batches]
+    launched = [policy.launch(b) for b in batches]
+    overlapped = [b.finish() for b in launched]
+    return all(np.array_equal(x.actions, y.actions) for s, o in zip(serial, overlapped) for x, y in zip(s, o))
+
+
+def prompt_buckets_captured(golden: Path, device: str) -> dict:
+    """A prompt bucket served from CUDA graphs captured at warm-up (on views of the full-length
+    buffers): no capture and no ungraphed call once ready, and the actions of the full-length prompt
+    (float32: the same function over other GEMM shapes)."""
+    import numpy as np
+
+    from vlaserve import Policy
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    case = GoldenCase.load(case_dirs(golden)[0])
+    observations, noise = case.observations(), list(case.tensors["input.noise"])
+    plain = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
+                                   prompt_buckets="none")
+    longest = max(int(plain.prepare(o).token_mask.sum()) for o in observations)
+    bucket = -(-(longest + 1) // 8) * 8
+    bucketed_policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
+                                             prompt_buckets=(bucket,))
+    captured = bucketed_policy.metadata["graph_captures"]
+    ours = bucketed_policy.infer_batch(observations, noise=noise, num_steps=case.meta["num_steps"])
+    theirs = plain.infer_batch(observations, noise=noise, num_steps=case.meta["num_steps"])
+    meta = bucketed_policy.metadata
+    return {"bucket": bucket, "max_token_len": bucketed_policy.config.max_token_len, "graphs_at_ready": captured,
+            "graphs_without_buckets": plain.metadata["graph_captures"],
+            "captures_after_ready": meta["graph_captures"] - captured, "uncaptured_calls": meta["uncaptured_calls"],
+            "max_delta_vs_full_length": float(max(np.abs(a.actions - b.actions).max() for a, b in zip(ours, theirs)))}
+
+
+def golden_suite(device: str) -> dict:
+    """--golden-only: every golden case of both families on the device, and the runtime's exactness checks."""
+    out = {"device": device}
+    for family in ("pi05", "pi0"):
+        golden = golden_checkpoint(family).parent
+        out[f"{family}_golden"] = {
+            "cases": golden_check(golden, device), "prefix_cache_hit_equals_miss": cache_hit_equals_miss(golden, device),
+            "overlapped_equals_serial": overlapped_equals_serial(golden, device),
+            "prompt_buckets": prompt_buckets_captured(golden, device)}
+        log(family, out[f"{family}_golden"])
+    return out
+
+
+def served_actions(smoke: bool, device: str) -> dict:
+    """--actions: the served runner's actions on the random model (seed 0) for make_inputs(b, seed=b)
+    at batch 1, 2, 4, 8 (--smoke: 1, 2), and their p50 ms: {"actions": {b: tensor}, "p50_ms": {b: ms}}
+    (the format of bench/fast_path_actions.py at 0bdbea4, so a file saved there compares too)."""
+    model, policy_config = bench_model(smoke, device)
+    runner = next(iter(runners(model, policy_config, device, "cublas", "triton").values()))
+    out, times = {}, {}
+    for b in (1, 2) if smoke else (1, 2, 4, 8):
+        inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b, device=device)
+        out[b] = sample(runner, inputs, noise)[0].cpu()
+        times[b] = time_ms(lambda: sample(runner, inputs, noise), device, **TIMING)["p50_ms"]
+        log(f"b={b}: p50 {times[b]:.2f} ms")
+    return {"actions": out, "p50_ms": times}
+
+
+def compare_actions(now: dict, before: dict) -> dict:
+    return {b: {"bit_identical": bool(torch.equal(now["actions"][b], before["actions"][b])),
+                "max_abs_diff": maxdiff(now["actions"][b], before["actions"][b]),
+                "p50_ms_before": before["p50_ms"][b], "p50_ms_now": now["p50_ms"][b]} for b in now["actions"]}
+
+
+def policy_wall_time(model, cfg, engine, device: str) -> dict:
     """Policy.infer at batch 1 with host preprocessing (uint8 images, prompt, tokenizer) included."""
     import numpy as np
 
     from vlaserve import Policy
-    from vlaserve.config import RuntimeConfig
+    from vlaserve.family import PI05
     from vlaserve.processing.normalize import Normalization, QuantileNormalizer
     from vlaserve.processing.pipeline import ProcessorPipeline
     from vlaserve.processing.prepare import Preprocessor
     from vlaserve.processing.prompt import PromptTokenizer
-    from vlaserve.family import PI05
     from vlaserve.runtime.runner import Runtime
 
-    golden = Path(GOLDEN) / "checkpoint" / "tokenizer" / "tokenizer.json"
-    cfg = engine.config
+    tokenizer = golden_checkpoint() / "tokenizer" / "tokenizer.json"
     q = QuantileNormalizer(-np.ones(32, np.float32), np.ones(32, np.float32))
-    runtime = Runtime(model, cfg, RuntimeConfig(device="cuda", fast_path=False), torch.device("cuda"),
+    runtime = Runtime(model, cfg, RuntimeConfig(device=device, fast_path=False), torch.device(device),
                       torch.bfloat16, "bench")
-    runtime.runner, runtime.fast_path = engine, True
+    runtime.runner, runtime.fast_path = engine, device == "cuda"
     policy = Policy(cfg, Preprocessor(cfg, ProcessorPipeline(Normalization(q, q, "bench")),
-                                      PromptTokenizer.from_path(golden), PI05),
+                                      PromptTokenizer.from_path(tokenizer), PI05),
                     runtime, "bench", "bench", {})
     rng = np.random.default_rng(0)
     obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cfg.cameras},
            "state": rng.uniform(-1, 1, 14).astype(np.float32), "task": "pick up the red block"}
-    for _ in range(3):
+    for _ in range(TIMING["warmup"]):
         policy.infer(obs, seed=0)
-    walls, gpus = [], []
-    for _ in range(20):
+    walls, device_ms = [], []
+    for _ in range(TIMING["iters"]):
         t0 = time.perf_counter()
         r = policy.infer(obs, seed=0)
         walls.append((time.perf_counter() - t0) * 1e3)
-        gpus.append(r.timings["prefix_ms"] + r.timings["denoise_ms"])
-    return {"wall_p50_ms": statistics.median(walls), "gpu_p50_ms": statistics.median(gpus),
+        device_ms.append(r.timings["prefix_ms"] + r.timings["denoise_ms"])
+    return {"wall_p50_ms": statistics.median(walls), "gpu_p50_ms": statistics.median(device_ms),
             "preprocess_p50_ms": statistics.median([policy.infer(obs, seed=0).timings["preprocess_ms"]
-                                                    for _ in range(5)])}
+                                                    for _ in range(max(1, TIMING["iters"] // 4))])}
 
 
 def tune_expert_kernels(model) -> dict:
@@ -421,20 +452,20 @@ def tune_expert_kernels(model) -> dict:
     return report
 
 
-def speed_options(engine, model, vocab: int) -> dict:
+def speed_options(engine, model, vocab: int, device: str) -> dict:
     """Options at batch 1: the exact prefix cache (hit vs miss), an absent camera."""
-    inputs, noise = make_inputs(1, vocab, seed=123)
-    miss, miss_t = engine.sample(inputs, noise, STEPS, None)
+    inputs, noise = make_inputs(1, vocab, seed=123, device=device)
+    miss, miss_t = sample(engine, inputs, noise)
     cached = [engine.prefix_entry(0)]
-    hit, _ = engine.sample(inputs, noise, STEPS, None, prefix=cached)
-    hit_t = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None, prefix=cached))
-    full = time_cuda(lambda: engine.sample(inputs, noise, STEPS, None))
+    hit, _ = sample(engine, inputs, noise, prefix=cached)
+    hit_t = time_ms(lambda: sample(engine, inputs, noise, prefix=cached), device, **TIMING)
+    full = time_ms(lambda: sample(engine, inputs, noise), device, **TIMING)
     # Two cameras present, the third absent (masked, last slot): the vision tower skips it.
     masks = inputs.image_masks.clone()
     masks[:, 2] = False
     two = ModelInputs(inputs.images, masks, inputs.tokens, inputs.token_mask)
-    two_out, _ = engine.sample(two, noise, STEPS, None)
-    two_t = time_cuda(lambda: engine.sample(two, noise, STEPS, None))
+    two_out, _ = sample(engine, two, noise)
+    two_t = time_ms(lambda: sample(engine, two, noise), device, **TIMING)
     two_eager = eager(model, two, noise)
     return {"two_cams_p50_ms": two_t["p50_ms"], "two_cams_vs_eager_bf16": maxdiff(two_out, two_eager),
             "full_p50_ms": full["p50_ms"], "prefix_cache_hit_p50_ms": hit_t["p50_ms"],
@@ -442,13 +473,13 @@ def speed_options(engine, model, vocab: int) -> dict:
 
 
 def profile_kernels(engine, inputs, noise, calls: int = 3) -> list:
-    """Per-kernel GPU time inside the graph replays of one call (top 30 by total)."""
+    """Per-kernel GPU time inside the graph replays of one call (top 60 by total; the top 30 logged)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.sample(inputs, noise, STEPS, None)
+    sample(engine, inputs, noise)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            engine.sample(inputs, noise, STEPS, None)
+            sample(engine, inputs, noise)
     rows = []
     for e in prof.key_averages():
         total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -461,40 +492,68 @@ def profile_kernels(engine, inputs, noise, calls: int = 3) -> list:
     return rows[:60]
 
 
+def stage_medians(engine, inputs, noise) -> dict:
+    runs = [served_call(engine, inputs, noise)[1] for _ in range(max(1, TIMING["iters"] // 2))]
+    return {"prefix_p50_ms": statistics.median(s["prefix_ms"] for s in runs),
+            "denoise_p50_ms": statistics.median(s["denoise_ms"] for s in runs)}
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--lerobot", action="store_true", help="also run LeRobot 0.6.1 (needs its wheels)")
-    ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--golden", default=GOLDEN, help="golden fixture folder (default: unpacked from tests/data)")
+    ap.add_argument("--batches", default=None, help="batch sizes (default: 1,2,4,8; --smoke: 1)")
     ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
     ap.add_argument("--gemm-library", default="cublas", choices=GEMM_LIBRARIES,
                     help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
     ap.add_argument("--attention-library", default="triton", choices=ATTENTION_LIBRARIES,
                     help="the prefix's attention library (RuntimeConfig.attention_library)")
+    ap.add_argument("--golden-only", action="store_true",
+                    help="only the golden cases and exactness checks on the device (golden_gpu.json), seconds")
+    ap.add_argument("--actions", metavar="FILE", help="save the served actions at batch 1, 2, 4, 8 (torch.save)")
+    ap.add_argument("--compare-actions", metavar="FILE", help="compare them bit for bit with a saved FILE")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "gemm_library": args.gemm_library, "attention_library": args.attention_library, "workload": {
-        "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
-        "horizon": HORIZON, "steps": STEPS}}
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        TIMING.update(warmup=1, iters=2)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA device (--smoke runs on the CPU)")
     started = time.time()
 
-    def save():
-        for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    if args.golden_only or args.actions or args.compare_actions:
+        golden = golden_suite(device)
+        if args.actions or args.compare_actions:
+            now = served_actions(args.smoke, device)
+            if args.actions:
+                torch.save(now, args.actions)
+            if args.compare_actions:
+                golden["actions_vs_saved"] = compare_actions(now, torch.load(args.compare_actions))
+                log("actions vs", args.compare_actions, golden["actions_vs_saved"])
+        golden["elapsed_s"] = time.time() - started
+        save_json(golden, args.out, "golden_gpu")
+        if args.golden_only:
+            return
 
-    if Path(args.golden).exists():
-        results["golden_cuda"] = golden_check(Path(args.golden))
-        log("golden on cuda:", json.dumps(results["golden_cuda"]))
+    batches = [int(b) for b in (args.batches or ("1" if args.smoke else "1,2,4,8")).split(",")]
+    results: dict = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "torch": torch.__version__, "smoke": args.smoke, "gemm_library": args.gemm_library,
+                     "attention_library": args.attention_library, "workload": {
+        "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
+        "horizon": HORIZON, "steps": STEPS}}
+
+    def save():
+        save_json(results, args.out, "bench_gpu")
+
+    results["golden"] = golden_check(golden_checkpoint().parent, device, cases=1 if args.smoke else None)
+    log("golden:", results["golden"])
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
-    results["ceilings"] = ceilings()
+    results["ceilings"] = (ceilings(device, n=512, copy_bytes=64 * 1024**2, hold_s=0.2) if args.smoke
+                           else ceilings(device))
     log("ceilings:", results["ceilings"])
-    cfg = ModelConfig.full_size()
-    model = random_model(cfg, torch.bfloat16, "cuda", seed=0)
+    model, policy_config = bench_model(args.smoke, device)
+    cfg = model.config
+    vocab = cfg.vlm.vocab_size
     log(f"model built ({time.time() - started:.0f}s); params", sum(p.numel() for p in model.parameters()))
     if args.tune:
         results["tuning"] = tune_expert_kernels(model)
@@ -514,82 +573,121 @@ def main():
     results["floor_ms_b8_default_bucket_sustained"] = floor_ms_batched(flops_bucket, 8, STEPS,
                                                                        at_sustained(results["ceilings"]))
 
-    policy_config = PolicyConfig(cfg, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"), 14, 14)
-    variants = {
-        "fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
-                                         gemm_library=args.gemm_library, attention_library=args.attention_library),
-        "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
-        "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False),
-    }
-    # Peak memory of the default fast path at batch 1: weights + static buffers + graph pools.
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    inputs, noise = make_inputs(1, cfg.vlm.vocab_size)
-    variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
-    results["peak_mem_gib_b1_fast"] = torch.cuda.max_memory_allocated() / 2**30
-    log("peak GiB (b1, fast):", results["peak_mem_gib_b1_fast"])
+    variants = runners(model, policy_config, device, args.gemm_library, args.attention_library)
+    served_name = next(iter(variants))
+    served = variants[served_name]
+    results["served_variant"] = served_name
+    if device == "cuda":  # peak memory of the default fast path at batch 1: weights + static buffers + graph pools
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        sample(served, *make_inputs(1, vocab, device=device))
+        results["peak_mem_gib_b1_fast"] = torch.cuda.max_memory_allocated() / 2**30
+        log("peak GiB (b1, fast):", results["peak_mem_gib_b1_fast"])
 
     # fp32 reference: the same weights, upcast exactly.
     model32 = copy.deepcopy(model).float()
     timings, accuracy = {}, {}
+    eager_iters = TIMING["iters"] if args.smoke else 5
     for b in batches:
-        inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
+        inputs, noise = make_inputs(b, vocab, seed=b, device=device)
         ref32 = eager(model32, inputs, noise)
         ref16 = eager(model, inputs, noise)
         accuracy[b] = {"eager_bf16_vs_fp32": maxdiff(ref16, ref32)}
-        timings[b] = {"eager_bf16": time_cuda(lambda: eager(model, inputs, noise), warmup=2, iters=5)}
+        timings[b] = {"eager_bf16": time_ms(lambda: eager(model, inputs, noise), device, warmup=1, iters=eager_iters)}
         for name, engine in variants.items():
-            out, stages = engine.sample(inputs, noise, STEPS, None)
+            out, _ = sample(engine, inputs, noise)
             accuracy[b][f"{name}_vs_eager_bf16"] = maxdiff(out, ref16)
             accuracy[b][f"{name}_vs_fp32"] = maxdiff(out, ref32)
-            timings[b][name] = time_cuda(lambda: served_call(engine, inputs, noise))
-            timings[b][name]["p50_ms_slots_read_on_device"] = time_cuda(
-                lambda: engine.sample(inputs, noise, STEPS, None))["p50_ms"]
-            stage_runs = [served_call(engine, inputs, noise)[1] for _ in range(10)]
-            timings[b][name]["prefix_p50_ms"] = statistics.median(s["prefix_ms"] for s in stage_runs)
-            timings[b][name]["denoise_p50_ms"] = statistics.median(s["denoise_ms"] for s in stage_runs)
+            timings[b][name] = time_ms(lambda: served_call(engine, inputs, noise), device, **TIMING)
+            timings[b][name]["p50_ms_slots_read_on_device"] = time_ms(
+                lambda: sample(engine, inputs, noise), device, **TIMING)["p50_ms"]
+            timings[b][name].update(stage_medians(engine, inputs, noise))
         # What the server runs by default on CUDA: the same engine, the prompt in its "auto" bucket.
-        engine, short = variants["fast_triton_graphs"], bucketed(inputs, bucket)
-        out, _ = engine.sample(short, noise, STEPS, None)
+        short = bucketed(inputs, bucket)
+        out, _ = sample(served, short, noise)
         accuracy[b]["fast_default_bucket_vs_eager_bf16"] = maxdiff(out, ref16)
         accuracy[b]["fast_default_bucket_vs_fp32"] = maxdiff(out, ref32)
-        with PowerSampler() as power:
-            timings[b]["fast_default_bucket"] = time_cuda(lambda: served_call(engine, short, noise))
+        with PowerSampler(device) as power:
+            timings[b]["fast_default_bucket"] = time_ms(lambda: served_call(served, short, noise), device, **TIMING)
         timings[b]["fast_default_bucket"]["nvml"] = power.result
-        timings[b]["fast_default_bucket"]["p50_ms_slots_read_on_device"] = time_cuda(
-            lambda: engine.sample(short, noise, STEPS, None))["p50_ms"]
-        stage_runs = [served_call(engine, short, noise)[1] for _ in range(10)]
-        timings[b]["fast_default_bucket"]["prefix_p50_ms"] = statistics.median(s["prefix_ms"] for s in stage_runs)
-        timings[b]["fast_default_bucket"]["denoise_p50_ms"] = statistics.median(s["denoise_ms"] for s in stage_runs)
+        timings[b]["fast_default_bucket"]["p50_ms_slots_read_on_device"] = time_ms(
+            lambda: sample(served, short, noise), device, **TIMING)["p50_ms"]
+        timings[b]["fast_default_bucket"].update(stage_medians(served, short, noise))
         # Bit-reproducibility of the default path.
-        a1, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
-        a2, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
+        a1, _ = sample(served, inputs, noise)
+        a2, _ = sample(served, inputs, noise)
         accuracy[b]["fast_repeat_bit_identical"] = bool(torch.equal(a1, a2))
-        log(f"b={b}:", json.dumps({k: round(v["p50_ms"], 2) for k, v in timings[b].items()}),
-            json.dumps(accuracy[b]))
+        log(f"b={b}:", {k: round(v["p50_ms"], 2) for k, v in timings[b].items()}, accuracy[b])
         results["timings"], results["accuracy"] = timings, accuracy
         save()
 
-    # Stage split of the default path at batch 1: vision alone, in its own graph.
-    inputs, _ = make_inputs(1, cfg.vlm.vocab_size)
-    fast = variants["fast_triton_graphs"].fast
-    g = torch.cuda.CUDAGraph()
-    flat = inputs.images.flatten(0, 1)
-    with torch.no_grad():
-        fast.vision(flat)
-        with torch.cuda.graph(g):
-            fast.vision(flat)
-    results["vision_b1_ms"] = time_cuda(g.replay)["p50_ms"]
-    t1 = timings[1]["fast_triton_graphs"]
+    inputs, noise1 = make_inputs(1, vocab, device=device)
+    t1 = timings[batches[0]][served_name]
     prefix_tflops = (flops["vision_flop"] + flops["prefix_flop"]) / (t1["prefix_p50_ms"] * 1e-3) / 1e12
     expert_tbps = flops["expert_weight_bytes_per_step"] * STEPS / (t1["denoise_p50_ms"] * 1e-3) / 1e12
     results["achieved_b1"] = {"prefix_tflops": prefix_tflops, "expert_weight_tbps": expert_tbps}
-    results["options_b1"] = speed_options(variants["fast_triton_graphs"], model, cfg.vlm.vocab_size)
+    results["options_b1"] = speed_options(served, model, vocab, device)
     log("options b1:", results["options_b1"])
-    results["profile_b1"] = profile_kernels(variants["fast_triton_graphs"], inputs, make_inputs(1, 10)[1])
-    inputs8, noise8 = make_inputs(8, cfg.vlm.vocab_size, seed=8)
-    results["profile_b8"] = profile_kernels(variants["fast_triton_graphs"], inputs8, noise8)
-    t8 = timings[8]["fast_triton_graphs"] if 8 in timings else None
+    if device == "cuda":
+        profiles(results, served, model, policy_config, inputs, noise1, timings, flops, args)
+    results["policy_b1"] = policy_wall_time(model, policy_config, served, device)
+    log("policy b1:", results["policy_b1"])
+    save()
+
+    if args.lerobot:
+        variants.pop("fast_torch_nographs", None)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        lr16 = build_lerobot(model, "bfloat16", device)
+        lr32 = build_lerobot(model32, "float32", device)
+        results["lerobot"] = {}
+        for b in batches:
+            inputs, noise = make_inputs(b, vocab, seed=b, device=device)
+            t = time_ms(lambda: lerobot_sample(lr16, inputs, noise), device, warmup=2, iters=5)
+            entry = {"eager_bf16": t}
+            if b in (1, 8):
+                o16, o32 = lerobot_sample(lr16, inputs, noise), lerobot_sample(lr32, inputs, noise)
+                ours32 = eager(model32, inputs, noise)
+                ours_fast, _ = sample(served, inputs, noise)
+                ours_bucket, _ = sample(served, bucketed(inputs, bucket), noise)
+                entry.update({"ours_default_bucket_vs_fp32": maxdiff(ours_bucket, ours32),
+                              "ours_default_bucket_vs_fp32_mean_item_max": per_item_max(ours_bucket, ours32),
+                              "lerobot_bf16_vs_fp32": maxdiff(o16, o32), "ours_fp32_vs_lerobot_fp32": maxdiff(ours32, o32),
+                              "ours_fast_vs_lerobot_bf16": maxdiff(ours_fast, o16),
+                              "ours_fast_vs_fp32": maxdiff(ours_fast, ours32),
+                              "lerobot_bf16_vs_fp32_mean_item_max": per_item_max(o16, o32),
+                              "ours_fast_vs_fp32_mean_item_max": per_item_max(ours_fast, ours32)})
+            entry["speedup_fast"] = t["p50_ms"] / timings[b][served_name]["p50_ms"]
+            entry["speedup_default_bucket"] = t["p50_ms"] / timings[b]["fast_default_bucket"]["p50_ms"]
+            results["lerobot"][b] = entry
+            log(f"lerobot b={b}:", {k: v for k, v in entry.items() if k != "eager_bf16"}, "p50", round(t["p50_ms"], 1))
+            save()
+
+    results["total_p50_ms"] = {b: timings[b][served_name]["p50_ms"] for b in batches}
+    results["total_default_bucket_p50_ms"] = {b: timings[b]["fast_default_bucket"]["p50_ms"] for b in batches}
+    results["elapsed_s"] = time.time() - started
+    save()
+    plot(results, args.out)
+    print_table(results)
+
+
+def profiles(results, served, model, policy_config, inputs, noise, timings, flops, args) -> None:
+    """CUDA only: vision alone in its own graph, per-kernel profiles at batch 1 and 8 (with and
+    without PDL), achieved rates and floors at batch 8."""
+    from vlaserve.runtime.fast import kernels
+    from vlaserve.runtime.fast.graphs import FastRunner
+
+    g = torch.cuda.CUDAGraph()
+    flat = inputs.images.flatten(0, 1)
+    with torch.no_grad():
+        served.fast.vision(flat)
+        with torch.cuda.graph(g):
+            served.fast.vision(flat)
+    results["vision_b1_ms"] = time_ms(g.replay)["p50_ms"]
+    results["profile_b1"] = profile_kernels(served, inputs, noise)
+    inputs8, noise8 = make_inputs(8, model.config.vlm.vocab_size, seed=8)
+    results["profile_b8"] = profile_kernels(served, inputs8, noise8)
+    t8 = timings.get(8, {}).get("fast_triton_graphs")
     if t8:
         results["achieved_b8"] = {
             "prefix_tflops": 8 * (flops["vision_flop"] + flops["prefix_flop"]) / (t8["prefix_p50_ms"] * 1e-3) / 1e12,
@@ -599,73 +697,23 @@ def main():
         results["floor_ms_b8_sustained"] = floor_ms_batched(flops, 8, STEPS, at_sustained(results["ceilings"]))
     # With PDL a kernel starts before its predecessor ends and waits: its time in the profile
     # includes that wait. The same graphs without PDL attribute time to kernels.
-    from vlaserve.runtime.fast import kernels
-
     kernels.TUNING["pdl"] = False
     plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library,
                        attention_library=args.attention_library)
-    for b, (inp, noi) in ((1, (inputs, make_inputs(1, 10)[1])), (8, (inputs8, noise8))):
-        plain.sample(inp, noi, STEPS, None)
-        results[f"no_pdl_b{b}_p50_ms"] = time_cuda(lambda: served_call(plain, inp, noi))["p50_ms"]
+    for b, (inp, noi) in ((1, (inputs, noise)), (8, (inputs8, noise8))):
+        sample(plain, inp, noi)
+        results[f"no_pdl_b{b}_p50_ms"] = time_ms(lambda: served_call(plain, inp, noi))["p50_ms"]
         results[f"profile_b{b}_no_pdl"] = profile_kernels(plain, inp, noi)
     kernels.TUNING["pdl"] = None
-    del plain
+    plain = None  # its graphs and buffers go before the cache is emptied
     torch.cuda.empty_cache()
-    results["policy_b1"] = policy_wall_time(model, variants["fast_triton_graphs"])
-    log("policy b1:", results["policy_b1"])
-    save()
-
-    if args.lerobot:
-        del variants["fast_torch_nographs"]
-        torch.cuda.empty_cache()
-        lr16 = build_lerobot(model, "bfloat16")
-        lr32 = build_lerobot(model32, "float32")
-        results["lerobot"] = {}
-        for b in batches:
-            inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=b)
-            t = time_cuda(lambda: lerobot_sample(lr16, inputs, noise), warmup=2, iters=5)
-            entry = {"eager_bf16": t}
-            if b in (1, 8):
-                o16, o32 = lerobot_sample(lr16, inputs, noise), lerobot_sample(lr32, inputs, noise)
-                ours32 = eager(model32, inputs, noise)
-                ours_fast, _ = variants["fast_triton_graphs"].sample(inputs, noise, STEPS, None)
-                ours_bucket, _ = variants["fast_triton_graphs"].sample(bucketed(inputs, bucket), noise, STEPS, None)
-                entry.update({"ours_default_bucket_vs_fp32": maxdiff(ours_bucket, ours32),
-                              "ours_default_bucket_vs_fp32_mean_item_max": per_item_max(ours_bucket, ours32),
-                              "lerobot_bf16_vs_fp32": maxdiff(o16, o32), "ours_fp32_vs_lerobot_fp32": maxdiff(ours32, o32),
-                              "ours_fast_vs_lerobot_bf16": maxdiff(ours_fast, o16),
-                              "ours_fast_vs_fp32": maxdiff(ours_fast, ours32),
-                              # per-sample max|Δ|, averaged: one sample's max is a noisy statistic
-                              "lerobot_bf16_vs_fp32_mean_item_max": per_item_max(o16, o32),
-                              "ours_fast_vs_fp32_mean_item_max": per_item_max(ours_fast, ours32)})
-            entry["speedup_fast"] = t["p50_ms"] / timings[b]["fast_triton_graphs"]["p50_ms"]
-            entry["speedup_default_bucket"] = t["p50_ms"] / timings[b]["fast_default_bucket"]["p50_ms"]
-            results["lerobot"][b] = entry
-            log(f"lerobot b={b}:", json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
-                                                for k, v in entry.items() if k != "eager_bf16"}),
-                "p50", round(t["p50_ms"], 1))
-            save()
-
-    results["total_p50_ms"] = {b: timings[b]["fast_triton_graphs"]["p50_ms"] for b in batches}
-    results["total_default_bucket_p50_ms"] = {b: timings[b]["fast_default_bucket"]["p50_ms"] for b in batches}
-    results["elapsed_s"] = time.time() - started
-    save()
-    plot(results, args.out)
-    print_table(results)
 
 
 def plot(results, out):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     batches = sorted(results["timings"], key=int)
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(results["timings"][batches[0]])
-    for name in names:
+    for name in results["timings"][batches[0]]:
         ax.plot(batches, [results["timings"][b][name]["p50_ms"] for b in batches], marker="o", label=name)
     if "lerobot" in results:
         ax.plot(batches, [results["lerobot"][b]["eager_bf16"]["p50_ms"] for b in batches], marker="s",
@@ -678,12 +726,11 @@ def plot(results, out):
             ax.scatter([by_name[str(b)]], [results[key]], marker="_", s=300, color=color, label=label, zorder=3)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
-    ax.set_ylabel("GPU time per call, p50 (ms)")
+    ax.set_ylabel("time per call, p50 (ms)")
     ax.set_title(f"Pi0.5 ALOHA-3 on {results['gpu']}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(True, which="both", alpha=0.3)
-    for d in filter(None, [ROOT / "bench" / "results", Path(out) if out else None]):
-        fig.savefig(d / "bench_gpu.png", dpi=120, bbox_inches="tight")
+    save_png(fig, out, "bench_gpu")
 
 
 def print_table(results):
@@ -698,7 +745,7 @@ def print_table(results):
     for b, row in results["timings"].items():
         log(f"b{b} default bucket, SM clock and power while timed:", row["fast_default_bucket"].get("nvml"))
     log("floor b1 ms:", round(results["floor_ms_b1"], 2), "achieved:", results.get("achieved_b1"),
-        "vision b1 ms:", round(results.get("vision_b1_ms", 0), 3), "peak GiB:", round(results["peak_mem_gib_b1_fast"], 2))
+        "vision b1 ms:", round(results.get("vision_b1_ms", 0), 3), "peak GiB:", results.get("peak_mem_gib_b1_fast"))
 
 
 if __name__ == "__main__":

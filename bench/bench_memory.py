@@ -19,18 +19,16 @@ time, each stage of Policy.from_pretrained (weight-load throughput among them), 
     python bench/bench_memory.py [--out DIR] [--batches 1,4,8] [--caps-gib 16,8] [--iters N] [--skip-cold-start]
                                  [--skip-profiles] [--workdir DIR --keep-checkpoint]
 
-Writes bench_memory.json and .png (bench_memory_cold_start.* with --skip-profiles) under bench/results/
-and --out (default $OUT).
+Writes bench_memory.json and .png (bench_memory_cold_start.* with --skip-profiles). --smoke runs the
+actions check and the cold start on the CPU (tiny sizes; the caps need a GPU).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -41,61 +39,50 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_gpu import time_cuda  # noqa: E402
-from vlaserve.checkpoint.weights import build_model, load_weights, random_model, to_lerobot_name  # noqa: E402
-from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig  # noqa: E402
-from vlaserve.errors import InsufficientMemory  # noqa: E402
-from vlaserve.runtime.memory import GIB, check_fit, cuda_budget  # noqa: E402
-from vlaserve.runtime.runner import Runtime  # noqa: E402
-from vlaserve.types import ModelInputs  # noqa: E402
-
-CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
-TOKENS, VALID_TOKENS, STEPS = 200, 70, 10
-SHARD_BYTES = 2 * 10**9
+from common import (CAMERA_NAMES, STEPS, TOKENS, VALID_TOKENS, aloha_config, evict_from_page_cache,
+                    golden_checkpoint, log, make_inputs, model_config, parser, pyplot, random_model, sample,
+                    save_json, save_png, server_env, time_ms, write_checkpoint)
+from vlaserve.checkpoint.weights import build_model, load_weights
+from vlaserve.config import PROFILES, PolicyConfig, RuntimeConfig
+from vlaserve.errors import InsufficientMemory
+from vlaserve.runtime.memory import GIB, check_fit, cuda_budget
+from vlaserve.runtime.runner import Runtime
 
 
-def log(*args):
-    print(*args, flush=True)
-
-
-def release() -> None:
+def release(device: str = "cuda") -> None:
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 # ---- part 1: profiles ------------------------------------------------------------------------
-def policy_config() -> PolicyConfig:
-    return PolicyConfig(ModelConfig.full_size(), CAMERAS, state_dim=14, action_dim=14, max_token_len=TOKENS)
+def policy_config(smoke: bool = False) -> PolicyConfig:
+    return aloha_config(model_config(smoke))
 
 
-def make_policy(profile, fast_path: bool = True) -> Runtime:
-    """A full-size random model's runtime, placed and engined as `profile` says (what from_pretrained
-    does after loading)."""
-    config = policy_config()
-    model = random_model(config.model, torch.bfloat16, "cuda", seed=0)
-    settings = RuntimeConfig(device="cuda", memory_profile=profile.name, fast_path=fast_path)
-    return Runtime(model, config, settings, torch.device("cuda"), torch.bfloat16, "bench")
+def make_policy(profile, fast_path: bool = True, device: str = "cuda") -> Runtime:
+    """A random model's runtime (full size; tiny on a CPU), placed and engined as `profile` says
+    (what from_pretrained does after loading)."""
+    config = policy_config(smoke=device != "cuda")
+    model = random_model(config.model, torch.bfloat16, device, seed=0)
+    settings = RuntimeConfig(device=device, memory_profile=profile.name, fast_path=fast_path)
+    return Runtime(model, config, settings, torch.device(device), torch.bfloat16, "bench")
 
 
-def compare_actions() -> dict:
+def compare_actions(device: str = "cuda") -> dict:
     """Same weights, inputs and noise at batch 1: every profile's actions against `default` and
     against the eager model (fast_path=False). Expected: edge-16gb and offload == default bit for bit
     (same kernels; offload's prefix streams its layers outside graphs); "offload eager" (offload with
     fast_path=False) == eager bit for bit; default vs eager within bf16 rounding (~1e-2, other kernels)."""
-    inputs, noise = make_inputs(1, ModelConfig.full_size().vlm.vocab_size, seed=7)
+    inputs, noise = make_inputs(1, policy_config(device != "cuda").model.vlm.vocab_size, seed=7, device=device)
     actions = {}
     runs = {"eager": ("default", False), **{name: (name, True) for name in PROFILES}, "offload eager": ("offload", False)}
     for name, (profile, fast_path) in runs.items():
-        policy = make_policy(PROFILES[profile], fast_path=fast_path)
-        with torch.no_grad():
-            actions[name] = policy.runner.sample(inputs, noise, STEPS, None)[0].float().cpu()
+        policy = make_policy(PROFILES[profile], fast_path=fast_path, device=device)
+        actions[name] = sample(policy.runner, inputs, noise, STEPS)[0].float().cpu()
         del policy
-        release()
+        release(device)
     report = {}
     for name, a in actions.items():
         report[name] = {"vs_default_max_abs": float((a - actions["default"]).abs().max()),
@@ -106,20 +93,9 @@ def compare_actions() -> dict:
     return report
 
 
-def make_inputs(b: int, vocab: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    images = torch.rand(b, len(CAMERAS), 3, 224, 224, device="cuda", generator=g) * 2 - 1
-    masks = torch.ones(b, len(CAMERAS), dtype=torch.bool, device="cuda")
-    tokens = torch.randint(3, vocab, (b, TOKENS), device="cuda", generator=g)
-    token_mask = torch.zeros(b, TOKENS, dtype=torch.bool, device="cuda")
-    token_mask[:, :VALID_TOKENS] = True
-    tokens[~token_mask] = 0
-    return ModelInputs(images, masks, tokens, token_mask), torch.randn(b, 50, 32, device="cuda", generator=g)
-
-
 def run_parts(policy: Runtime, parts: list) -> None:
     for inputs, noise in parts:
-        policy.runner.sample(inputs, noise, STEPS, None)
+        sample(policy.runner, inputs, noise, STEPS)
 
 
 def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dict:
@@ -158,7 +134,7 @@ def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dic
             copied = policy.offload.bytes_copied if policy.offload is not None else 0
             call()
             copied = policy.offload.bytes_copied - copied if policy.offload is not None else 0
-            timed = time_cuda(call, warmup=1, iters=iters)
+            timed = time_ms(call, warmup=1, iters=iters)
         except torch.cuda.OutOfMemoryError as e:  # the estimate was too low: report it, keep going
             runs[b]["oom"] = str(e).splitlines()[0]
             log(f"{profile.name} cap {cap_gib} GiB b={b}: OOM despite the fit check: {runs[b]['oom']}")
@@ -176,54 +152,6 @@ def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dic
 
 
 # ---- part 2: cold start ----------------------------------------------------------------------
-def write_checkpoint(directory: Path, template: Path, model_config: ModelConfig, device) -> int:
-    """A LeRobot-layout checkpoint of a random model (serving dtypes: bf16 + the fp32 set), sharded at
-    ~SHARD_BYTES with an index. Config, processor and tokenizer files come from `template`, but not its
-    weights nor its architecture.json (without one, config.json's variant names give the full size).
-    Returns the weight bytes."""
-    from safetensors.torch import save_file
-
-    model = random_model(model_config, torch.bfloat16, device, seed=1)
-    tensors = {to_lerobot_name(n): p.detach() for n, p in model.named_parameters()}
-    shards, current, size = [], [], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if current and size + n > SHARD_BYTES:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += n
-    shards.append(current)
-    weight_map = {}
-    for i, names in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: tensors[k].cpu().contiguous() for k in names}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for path in template.iterdir():
-        if path.name == "architecture.json" or path.name.startswith("model"):
-            continue
-        if path.is_dir():
-            shutil.copytree(path, directory / path.name)
-        else:
-            shutil.copy(path, directory / path.name)
-    return total
-
-
-def evict_from_page_cache(directory: Path) -> None:
-    """Flushes the files and asks the kernel to drop their cached pages (no root needed)."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 # Runs in a fresh interpreter so that imports and first-time initialization are timed as a server sees them.
 CHILD = r"""
 import json, sys, time
@@ -266,24 +194,25 @@ def start_once(checkpoint: Path, device: str, env: dict, loader: str, ahead: boo
     return result
 
 
-def compare_loaders(checkpoint: Path, device: str) -> dict:
+def compare_loaders(checkpoint: Path, device: str, config) -> dict:
     """Every tensor through safetensors and through runai-model-streamer, compared bit for bit."""
     loaded = {}
     for loader in ("safetensors", "runai-streamer"):
-        model = load_weights(build_model(ModelConfig.full_size()), checkpoint, torch.bfloat16, torch.device(device),
+        model = load_weights(build_model(config), checkpoint, torch.bfloat16, torch.device(device),
                              progress=False, loader=loader)
         loaded[loader] = dict(model.named_parameters())
     a, b = loaded["safetensors"], loaded["runai-streamer"]
     differing = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
     compared = len(a) if a.keys() == b.keys() else None
     del loaded, a, b
-    release()
+    release(device)
     return {"tensors_compared": compared, "differing": differing[:10], "bit_identical": compared and not differing}
 
 
-def cold_start(template: Path, workdir: Path, model_config: ModelConfig, device: str) -> dict:
+def cold_start(template: Path, workdir: Path, model_config, device: str, smoke: bool = False) -> dict:
     """Fresh processes from a cold page cache and an empty Triton cache, per weight loader (and with
-    the read-ahead `vlaserve serve` starts before importing torch); then one warm start."""
+    the read-ahead `vlaserve serve` starts before importing torch); then one warm start. --smoke:
+    safetensors alone, then warm."""
     checkpoint = workdir / "pi05-random-full"
     if not checkpoint.exists():
         checkpoint.mkdir(parents=True)
@@ -291,13 +220,13 @@ def cold_start(template: Path, workdir: Path, model_config: ModelConfig, device:
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("model-*.safetensors"))
     out = {"weight_file_bytes": weight_bytes, "shards": len(list(checkpoint.glob("model-*.safetensors"))),
            "page_cache_note": "cold = files evicted with fsync + POSIX_FADV_DONTNEED, empty TRITON_CACHE_DIR"}
-    release()
-    base_env = {**os.environ, "HF_HUB_OFFLINE": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    runs = [("safetensors", False), ("safetensors", True)]
+    release(device)
+    base_env = server_env(HF_HUB_OFFLINE="1")
+    runs = [("safetensors", False)] if smoke else [("safetensors", False), ("safetensors", True)]
     if importlib.util.find_spec("runai_model_streamer") is not None:
-        runs.insert(0, ("runai-streamer", False))  # first: it leaves the page cache cold for the next run
-        out["loaders_bit_identical"] = compare_loaders(checkpoint, device)
+        if not smoke:
+            runs.insert(0, ("runai-streamer", False))  # first: it leaves the page cache cold for the next run
+        out["loaders_bit_identical"] = compare_loaders(checkpoint, device, model_config)
         log("loaders:", json.dumps(out["loaders_bit_identical"]))
     for loader, ahead in runs:
         name = f"cold {loader}{' + read-ahead' if ahead else ''}"
@@ -331,7 +260,7 @@ def print_tables(results: dict) -> None:
         log("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in cold_runs(cold):
             log(f"| {name} | {r['import_s']:.2f} | {r['load_config_s']:.2f} | {r['load_device_s']:.2f} | "
-                f"{r['load_weights_s']:.2f} | {r['load_weights_gb_per_s']:.2f} | {r['load_engine_s']:.2f} | "
+                f"{r['load_weights_s']:.2f} | {r['load_weights_gb_per_s'] or float('nan'):.2f} | {r['load_engine_s']:.2f} | "
                 f"{r['from_pretrained_s']:.2f} | {r['first_infer_s']:.2f} | {r['process_to_first_action_s']:.2f} | "
                 f"{r['second_action_ms']:.1f} |")
 
@@ -340,15 +269,8 @@ def cold_runs(cold: dict) -> list[tuple[str, dict]]:
     return [(name, r) for name, r in cold.items() if isinstance(r, dict) and "import_s" in r]
 
 
-def plot(results: dict, out_dirs: list[Path], stem: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no PNG")
-        return
+def plot(results: dict, out: str, stem: str) -> None:
+    plt = pyplot()
     profiles = results.get("profiles", {})
     caps = sorted({cap for caps in profiles.values() for cap in caps}, key=float, reverse=True)
     fig, axes = plt.subplots(1, len(caps) + 2, figsize=(5 * (len(caps) + 2), 4.5))
@@ -402,44 +324,40 @@ def plot(results: dict, out_dirs: list[Path], stem: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"Pi0.5 memory profiles and cold start on {results.get('gpu', '?')}")
     fig.tight_layout()
-    for d in out_dirs:
-        fig.savefig(d / f"{stem}.png", dpi=120, bbox_inches="tight")
+    save_png(fig, out, stem)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="also write results here (default: $OUT)")
+    ap = parser(__doc__)
     ap.add_argument("--batches", default="1,4,8", help="batch sizes (default: 1,4,8)")
     ap.add_argument("--caps-gib", default="16,8", help="per-process memory caps in GiB (default: 16,8)")
     ap.add_argument("--iters", type=int, default=8, help="timed calls per measurement (default: 8)")
-    ap.add_argument("--golden", default=str(ROOT / ".golden" / "checkpoint"),
+    ap.add_argument("--golden", default=str(golden_checkpoint()),
                     help="checkpoint whose config, processor and tokenizer files the cold-start checkpoint copies")
     ap.add_argument("--workdir", default=None, help="where the cold-start checkpoint is written (default: a temp dir)")
     ap.add_argument("--skip-cold-start", action="store_true")
     ap.add_argument("--skip-profiles", action="store_true", help="only the cold start (part 2)")
     ap.add_argument("--keep-checkpoint", action="store_true", help="leave the cold-start checkpoint in --workdir")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_memory needs a CUDA device")
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_memory needs a CUDA device (--smoke runs on the CPU)")
     batches = [int(b) for b in args.batches.split(",")]
-    caps = [float(c) for c in args.caps_gib.split(",")]
-    out_dirs = [ROOT / "bench" / "results"] + ([Path(args.out)] if args.out else [])
-    for d in out_dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "total_memory": torch.cuda.get_device_properties(0).total_memory,
-                     "workload": {"cameras": len(CAMERAS), "tokens": TOKENS, "valid_tokens": VALID_TOKENS,
+    caps = [float(c) for c in args.caps_gib.split(",")] if device == "cuda" else []  # caps: CUDA's allocator
+    results: dict = {"device": device, "smoke": args.smoke, "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "total_memory": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None,
+                     "workload": {"cameras": len(CAMERA_NAMES), "tokens": TOKENS, "valid_tokens": VALID_TOKENS,
                                   "steps": STEPS, "batches": batches, "caps_gib": caps}, "profiles": {}}
     started = time.time()
     stem = "bench_memory_cold_start" if args.skip_profiles else "bench_memory"
 
     def save():
         results["elapsed_s"] = time.time() - started
-        for d in out_dirs:
-            (d / f"{stem}.json").write_text(json.dumps(results, indent=1))
+        save_json(results, args.out, stem)
 
     if not args.skip_profiles:
-        results["actions_b1"] = compare_actions()
+        results["actions_b1"] = compare_actions(device)
         save()
         for name, profile in PROFILES.items():
             results["profiles"][name] = {}
@@ -449,13 +367,13 @@ def main() -> None:
     if not args.skip_cold_start:
         workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vlaserve-cold-"))
         try:
-            results["cold_start"] = cold_start(Path(args.golden), workdir, ModelConfig.full_size(), "cuda")
+            results["cold_start"] = cold_start(Path(args.golden), workdir, model_config(args.smoke), device, args.smoke)
         finally:
             if not args.keep_checkpoint:
                 shutil.rmtree(workdir, ignore_errors=True)
         save()
     print_tables(results)
-    plot(results, out_dirs, stem)
+    plot(results, args.out, stem)
     log(f"done in {time.time() - started:.0f} s")
 
 

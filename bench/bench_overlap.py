@@ -1,7 +1,7 @@
 """Host and device overlap in the batcher, in one process (no network, no codec): what enqueueing the
 next batch while the device runs this one buys, and that it changes no answer.
 
-    python bench/bench_overlap.py [--device cuda] [--checkpoint DIR] [--seconds 5] [--out DIR]
+    python bench/bench_overlap.py [--device cuda] [--checkpoint DIR] [--seconds 5] [--robots 1,2,16] [--out DIR]
 
 On a full-size random checkpoint (cuda; the golden one on a CPU), bf16, bench_fleet's robot
 observations (3 uint8 224x224 cameras, each robot its own noise):
@@ -12,34 +12,22 @@ observations (3 uint8 224x224 cameras, each robot its own noise):
 - N in-process robots (asyncio tasks: prepare on a thread, then submit, back to back) through the
   Batcher with overlap on and off: observations per second, batch sizes, the device's busy share
   (sum of device time over wall time), and each answer against its robot's reference taken alone.
-JSON in bench/results/bench_overlap_<device>.json.
+Writes bench_overlap.json. --smoke: the golden checkpoint on the CPU, 1 and 2 robots for a second.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench_fleet import robot_observation  # noqa: E402
-from bench_serve import log  # noqa: E402
-from fixtures import fixture_dir  # noqa: E402
-
-from vlaserve import Policy  # noqa: E402
-from vlaserve.runtime.batcher import Batcher  # noqa: E402
+from common import bench_checkpoint, log, parser, robot_observation, save_json
+from vlaserve import Policy
+from vlaserve.runtime.batcher import Batcher
 
 
 def requests_for(policy: Policy, observations: list[dict]) -> list:
@@ -132,32 +120,29 @@ def fleet(policy: Policy, observations: list[dict], references: list[np.ndarray]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--robots", default="1,2,16")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--checkpoint", default=None,
+                    help="default: a full-size random checkpoint (cuda) or the golden one (cpu, --smoke)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per fleet level")
+    ap.add_argument("--robots", default="1,2,16", help="fleet levels: in-process robots")
     args = ap.parse_args()
+    if args.smoke:
+        args.device, args.seconds, args.robots = "cpu", 1.0, "1,2"
+    calls = 3 if args.smoke else 20
 
-    template = fixture_dir("pi05_golden") / "checkpoint"
-    checkpoint = Path(args.checkpoint) if args.checkpoint else (
-        Path(tempfile.mkdtemp()) / "pi05-random-full" if args.device == "cuda" else template)
-    if not checkpoint.exists():
-        from bench_memory import write_checkpoint
-        from vlaserve.config import ModelConfig
-
-        checkpoint.mkdir(parents=True)
-        write_checkpoint(checkpoint, template, ModelConfig.full_size(), args.device)
+    checkpoint = (Path(args.checkpoint) if args.checkpoint
+                  else bench_checkpoint(args.smoke, args.device, Path(tempfile.mkdtemp(prefix="bench_overlap-"))))
     policy = Policy.from_pretrained(checkpoint, device=args.device, warmup="blocking", progress=False)
     c = policy.config
     observations = [robot_observation(i, c.state_dim, c.action_horizon, c.model.max_action_dim) for i in range(16)]
-    results: dict = {"device": args.device, "checkpoint": str(checkpoint), "dtype": str(policy.runtime.dtype)}
+    results: dict = {"device": args.device, "smoke": args.smoke, "checkpoint": str(checkpoint),
+                     "dtype": str(policy.runtime.dtype)}
     results["exactness"] = {b: exactness(policy, observations, b) for b in (1, 8)}
     log("exactness", results["exactness"])
-    results["launch_host"] = launch_host_ms(policy, observations)
+    results["launch_host"] = launch_host_ms(policy, observations, calls)
     log("launch host time", results["launch_host"])
-    results["launch_profile"] = launch_profile(policy, observations)
+    results["launch_profile"] = launch_profile(policy, observations, 3 if args.smoke else 50)
     for row in results["launch_profile"][:12]:
         log(row)
     references = [policy.infer(obs).actions for obs in observations]
@@ -167,9 +152,7 @@ def main() -> None:
             level = fleet(policy, observations, references, robots, args.seconds, overlap)
             log(level)
             results["fleet"].append(level)
-    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"bench_overlap_{args.device}.json").write_text(json.dumps(results, indent=1))
+    save_json(results, args.out, "bench_overlap")
 
 
 if __name__ == "__main__":

@@ -7,43 +7,32 @@ the server prepares each request on a CPU that has been idle. This times, for be
 observation (3 uint8 224x224 cameras, LeRobot keys) on the golden checkpoint: building the Request
 (validation), Policy.prepare (images, state, prompt, tokenizer, noise) and its sub-steps, back to
 back and with `--idle-ms` of sleep before each call; and the thread-pool hop the server takes to
-prepare off the event loop, with a no-op. p50 ms, JSON in bench/results/bench_prepare.json.
+prepare off the event loop, with a no-op. p50 ms; writes bench_prepare.json. --smoke: 5 calls each.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import functools
 import json
-import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench_fleet import robot_observation  # noqa: E402
-from fixtures import fixture_dir  # noqa: E402
-
-import vlaserve.processing.prepare as prepare_module  # noqa: E402
-from vlaserve import Policy  # noqa: E402
+import vlaserve.processing.prepare as prepare_module
+from common import golden_checkpoint, parser, robot_observation, save_json
+from vlaserve import Policy
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--idle-ms", type=float, default=10.0)
+    ap = parser(__doc__)
+    ap.add_argument("--idle-ms", type=float, default=10.0, help="sleep before each call (after_idle)")
     ap.add_argument("--calls", type=int, default=60)
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
-    policy = Policy.from_pretrained(fixture_dir("pi05_golden") / "checkpoint", device="cpu", dtype="float32",
-                                    progress=False)
+    if args.smoke:
+        args.calls = min(args.calls, 5)
+    policy = Policy.from_pretrained(golden_checkpoint(), device="cpu", dtype="float32", progress=False)
     raw = robot_observation(0, policy.config.state_dim, policy.config.action_horizon, policy.config.model.max_action_dim)
     obs = {"images": {k.removeprefix("observation.images."): v for k, v in raw.items() if "images" in k},
            "state": raw["observation.state"], "task": raw["prompt"]}
@@ -64,7 +53,7 @@ def main() -> None:
     type(pre.tokenizer).__call__ = timed("tokenizer", type(pre.tokenizer).__call__)
     type(pre.state_norm).normalize = timed("state_normalize", type(pre.state_norm).normalize)
 
-    results: dict = {"idle_ms": args.idle_ms, "calls": args.calls}
+    results: dict = {"idle_ms": args.idle_ms, "calls": args.calls, "smoke": args.smoke}
     for label, idle in (("back_to_back", 0.0), ("after_idle", args.idle_ms / 1e3)):
         steps.clear()
         request_ms, prepare_ms = [], []
@@ -98,9 +87,7 @@ def main() -> None:
 
     results["thread_pool_after_idle"] = asyncio.run(hops())
     print("thread pool, after idle", json.dumps(results["thread_pool_after_idle"]))
-    for d in filter(None, [ROOT / "bench" / "results", Path(args.out) if args.out else None]):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_prepare.json").write_text(json.dumps(results, indent=1))
+    save_json(results, args.out, "bench_prepare")
 
 
 if __name__ == "__main__":

@@ -13,19 +13,15 @@ then `--robots` concurrent robots, each on its own HTTP client with its own X-Ro
     python3 bench/bench_ray.py --device cuda --replicas 1         # one GPU: Ray vs vlaserve serve
     python3 bench/bench_ray.py --checkpoint DIR --replicas 1,2,4 --robots 16
 
-Writes JSON to --out (default bench/results/bench_ray_<device>.json) and prints it. On CUDA without
---checkpoint it writes a full-size random checkpoint (as bench_serve.py). Needs vlaserve[ray] and openpi-client.
+Writes bench_ray.json and prints it. On CUDA without --checkpoint it writes a full-size random
+checkpoint (as bench_serve.py). Needs vlaserve[ray] and openpi-client (on the GPU machine:
+bench/prepare_ray_device.sh). --smoke: the golden checkpoint on the CPU, one replica, seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,62 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentiles(ms: list[float]) -> dict:
-    ms = sorted(ms)
-    at = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731 - nearest rank
-    return {"p50_ms": round(statistics.median(ms), 3), "p90_ms": round(at(0.9), 3), "p99_ms": round(at(0.99), 3),
-            "n": len(ms)}
-
-
-class Server:
-    """A `vlaserve serve` or `serve-ray` process, ready once /healthz answers."""
-
-    def __init__(self, command: str, checkpoint: Path, args: list[str], env: dict, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.started = time.perf_counter()
-        with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", command, str(checkpoint),
-                                          "--port", str(self.port), *args], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
-
-    def wait_ready(self, bound_s: float = 900) -> float:
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return time.perf_counter() - self.started
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - self.started > bound_s:
-                raise RuntimeError(f"not ready after {bound_s} s:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.2)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+from common import (bench_checkpoint, log, parser, percentiles, save_json, server_env, start_server, stop_server,
+                    wait_until_healthy)
 
 
 def generation_body(rng, state_dim: int, steps: int | None) -> bytes:
@@ -176,7 +118,7 @@ def concurrent_robots(url: str, state_dim: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--checkpoint", default=None, help="default: the golden checkpoint on CPU, a random "
                                                        "full-size one (written to a temp dir) on CUDA")
@@ -187,34 +129,22 @@ def main() -> None:
     ap.add_argument("--cpus-per-replica", type=float, default=None,
                     help="CPUs per Ray replica, and torch threads of both servers (default: 1 on CPU, 8 on CUDA)")
     ap.add_argument("--serve-args", default="", help="more options for both servers, e.g. '--dtype float32'")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.smoke:
+        args.device, args.replicas, args.requests, args.robots, args.seconds = "cpu", "1", 3, 2, 2.0
 
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    if checkpoint is None and args.device == "cpu":
-        from fixtures import fixture_dir
-
-        checkpoint = fixture_dir("pi05_golden") / "checkpoint"
-    elif checkpoint is None:
-        from bench_memory import write_checkpoint
-        from fixtures import fixture_dir
-        from vlaserve.config import ModelConfig
-
-        checkpoint = Path(tempfile.mkdtemp()) / "pi05-random-full"
-        checkpoint.mkdir(parents=True)
-        write_checkpoint(checkpoint, fixture_dir("pi05_golden") / "checkpoint", ModelConfig.full_size(), args.device)
+    logs = Path(tempfile.mkdtemp(prefix="bench_ray-"))
+    checkpoint = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(args.smoke, args.device, logs)
     if args.cpus_per_replica is None:
         args.cpus_per_replica = 1.0 if args.device == "cpu" else 8.0
     # Blocking warm-up for the baseline too: /healthz then means the CUDA graphs are captured, as a
     # Ray replica's readiness does, so no eager call is timed.
     common = ["--device", args.device, "--warmup", "blocking", *args.serve_args.split()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     # The same torch threads in the baseline as in a Ray replica (Ray sets a replica's
     # OMP_NUM_THREADS to its CPUs unless set), so the difference is the serving path, not the arithmetic.
-    env["OMP_NUM_THREADS"] = str(max(1, int(args.cpus_per_replica)))
-    logs = Path(tempfile.mkdtemp(prefix="bench_ray-"))
-    results = {"device": args.device, "checkpoint": str(checkpoint), "cpu_count": os.cpu_count(),
-               "omp_num_threads": env.get("OMP_NUM_THREADS"), "args": vars(args), "runs": {}}
+    env = server_env(OMP_NUM_THREADS=str(max(1, int(args.cpus_per_replica))))
+    results = {"device": args.device, "smoke": args.smoke, "checkpoint": str(checkpoint), "cpu_count": os.cpu_count(),
+               "omp_num_threads": env["OMP_NUM_THREADS"], "args": vars(args), "runs": {}}
     import ray
 
     results["ray_version"] = ray.__version__
@@ -224,22 +154,20 @@ def main() -> None:
                                             *gpus]) for r in map(int, args.replicas.split(","))]
     for label, command, extra in plan:
         log(f"== {label}")
-        server = Server(command, checkpoint, common + extra, env, logs / f"{label}.log")
+        log_path = logs / f"{label}.log"
+        server, port = start_server(command, checkpoint, common + extra, log_path, env)
         try:
-            ready_s = server.wait_ready()
-            run = {"ready_s": round(ready_s, 1), **measure(server.url, server.port, args)}
+            ready_s = wait_until_healthy(server, port, log_path)
+            run = {"ready_s": round(ready_s, 1), **measure(f"http://127.0.0.1:{port}", port, args)}
         finally:
-            run_exit = server.stop()
-        run["exit_code"] = run_exit
-        results["runs"][label] = run
+            exit_code, _ = stop_server(server, log_path)
+        results["runs"][label] = {**run, "exit_code": exit_code}
         log(json.dumps(run))
     base, one = results["runs"]["vlaserve_serve"], results["runs"].get("ray_1_replicas")
     if one:
         results["ray_added_p50_ms"] = {route: round(one[route]["p50_ms"] - base[route]["p50_ms"], 3)
                                        for route in ("metadata", "http_1step", "openpi")}
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"bench_ray_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    save_json(results, args.out, "bench_ray")
     print(json.dumps(results, indent=1))
 
 

@@ -22,62 +22,33 @@ walk over the chunk's steps, a fresh draw per request (`noise` in the observatio
 ~0.4 per tick while two draws differ by ~4.4. Reports, per mode:
 the jump max_j |a_t - a_{t-1}| at chunk switches and inside chunks, ticks missed (the loop more
 than one period late), ticks starved (no planned action), get_action times, and the fraction of
-wall time the loop spent waiting for the network. Writes bench/results/bench_rtc.json and a PNG of
-one joint across three switches.
+wall time the loop spent waiting for the network. Writes bench_rtc[_LABEL].json and a PNG of one
+joint across three switches; --smoke runs 150 ticks per mode.
 
     python bench/bench_rtc.py [--checkpoint DIR|demo] [--ticks 600] [--hz 50] [--horizon 25]
                               [--network-delay-ms 20] [--jitter-ms 10] [--model-delay-ms 0]
-                              [--label L] [--out bench/results]
+                              [--label L] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import platform
 import random
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from vlaserve.client import ActionChunkExecutor, Client  # noqa: E402
+from common import (free_port, golden_checkpoint, parser, pyplot, save_json, save_png, start_server, stop_server,
+                    wait_until_healthy)
+from vlaserve.client import ActionChunkExecutor, Client
 
 MODES = ("sync", "async", "async+rtc")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- the server and a delaying relay ------------------------------------------------------------
-def start_server(checkpoint: str | None, port: int, log_path: Path) -> subprocess.Popen:
-    args = [] if checkpoint in (None, "demo") else [checkpoint]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", "serve", *args, "--device", "cpu",
-                                 "--dtype", "float32", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
-            return proc
-        except OSError:
-            time.sleep(0.2)
 
 
 class DelayRelay:
@@ -227,12 +198,9 @@ def summarize(mode, actions, switch_ticks, call_s, missed, waited, wall, period,
     return out
 
 
-def plot(results: dict, joint: int, path: Path, hz: float, horizon: int) -> None:
+def plot(results: dict, joint: int, out: str, name: str, hz: float, horizon: int) -> None:
     """Joint `joint` around the first three switches after the start, without and with RTC."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharey=True, layout="constrained")
     for ax, mode in zip(axes, ("async", "async+rtc")):
@@ -253,11 +221,11 @@ def plot(results: dict, joint: int, path: Path, hz: float, horizon: int) -> None
         ax.set_title(f"{title}: mean jump at switches {jump:.3f}, inside chunks {r['jump_inside_chunk']['mean']:.3f}")
         ax.set_ylabel(f"joint {joint}")
     axes[-1].set_xlabel("time (s); dashed red: chunk switches; dotted gray: end of the previous chunk's remainder")
-    fig.savefig(path, dpi=110)
+    save_png(fig, out, name)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--checkpoint", default=None, help="checkpoint dir, or 'demo' (default: the golden checkpoint)")
     ap.add_argument("--ticks", type=int, default=600)
     ap.add_argument("--hz", type=float, default=50.0)
@@ -267,20 +235,16 @@ def main() -> None:
     ap.add_argument("--model-delay-ms", type=float, default=0.0, help="added to every reply")
     ap.add_argument("--joint", type=int, default=0)
     ap.add_argument("--label", default="", help="suffix of the output files: bench_rtc_LABEL.json")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
+    if args.smoke:
+        args.ticks = min(args.ticks, 150)
 
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from conftest import golden_dir
-
-        checkpoint = str(golden_dir() / "checkpoint")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    server = start_server(checkpoint, port, Path(os.environ.get("TMPDIR", "/tmp")) / "bench_rtc_server.log")
+    checkpoint = args.checkpoint or str(golden_checkpoint())
+    log_path = Path(tempfile.mkdtemp(prefix="bench_rtc-")) / "server.log"
+    server, port = start_server("serve", None if checkpoint == "demo" else Path(checkpoint),
+                                ["--device", "cpu", "--dtype", "float32"], log_path)
     try:
+        wait_until_healthy(server, port, log_path)
         relay = DelayRelay(port, args.network_delay_ms / 1e3, args.jitter_ms / 1e3, args.model_delay_ms / 1e3)
         url = f"ws://127.0.0.1:{relay.port}"
         Client(url).infer(ToyRobot(Client(url).metadata()).observation())  # warm the server up
@@ -297,16 +261,15 @@ def main() -> None:
                      f"rtt max {r['executor']['max_round_trip_ms']:.0f} ms" if "executor" in r else ""),
                   flush=True)
     finally:
-        server.terminate()
-        server.wait()
+        stop_server(server, log_path)
     ratio = results["async+rtc"]["jump_at_switch"]["mean"] / results["async"]["jump_at_switch"]["mean"]
     report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "checkpoint": checkpoint,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
+              "smoke": args.smoke, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
               "settings": vars(args), "rtc_over_plain_jump_at_switch": ratio, "modes": results}
     name = "bench_rtc" + (f"_{args.label}" if args.label else "")
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    plot(results, args.joint, out / f"{name}.png", args.hz, args.horizon)
-    print(f"RTC / plain mean jump at switches: {ratio:.3f}; wrote {out / name}.json and .png")
+    path = save_json(report, args.out, name)
+    plot(results, args.joint, args.out, name, args.hz, args.horizon)
+    print(f"RTC / plain mean jump at switches: {ratio:.3f}; wrote {path} and .png")
 
 
 if __name__ == "__main__":

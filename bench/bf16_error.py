@@ -1,51 +1,69 @@
 """bf16 error against fp32 over many inputs: ours (the fast path, with each attention library) and
 LeRobot 0.6.1's own (issue 14's accuracy target, as a distribution rather than one draw).
 
-    python3 bench/bf16_error.py [--fa4] [--out DIR]      (needs the wheels of bench/prepare_device.sh;
-                                                          --fa4 also bench/prepare_cute.sh's libraries)
-
 Full-size Pi0.5 (random weights), bench_gpu.py's ALOHA-3 inputs drawn from seeds 1..16 at batch 1 and
-1..8 at batch 8 (1..4 until run 82). For each call: max|Δ| of the actions against our fp32 eager model (which equals
+1..8 at batch 8. For each call: max|Δ| of the actions against our fp32 eager model (which equals
 LeRobot's fp32 to ~1e-6, bench_gpu.py) for LeRobot's bf16 and for our fast path at the default prompt
-bucket: with our Triton attention, and with --fa4 also with `attention_library="fa4"` (run 130; until
-run 84 the variants were the attention merge at 1 and 2 queries per program, 2 being the served one).
-One call's max over 50 x 32 actions moves by ~10% between inputs (runs 55-65), so the comparison is
-the mean (and max) over calls, per item at batch 8.
-JSON under bench/results/ (bf16_error.json) and --out.
+bucket: with our Triton attention, and with --fa4 also with `attention_library="fa4"`. One call's max
+over 50 x 32 actions moves by ~10% between inputs, so the comparison is the mean (and max) over calls,
+per item at batch 8. Writes bf16_error.json.
+
+    python bench/bf16_error.py [--fa4] [--out DIR]   (LeRobot: bench/prepare_device.sh's wheels;
+                                                       --fa4: the `cute` extra, bench/prepare_cute.sh)
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import statistics
 import time
 
-from bench_gpu import (STEPS, build_lerobot, bucketed, default_bucket, eager, lerobot_sample, log, make_inputs,
-                       per_item_max)
-from kernel_ladder import bench_run, full_size_models
+import torch
 
-from vlaserve.runtime.fast.graphs import FastRunner
+from bench_gpu import build_lerobot, bucketed, default_bucket, eager, lerobot_sample
+from common import bench_model, log, make_inputs, parser, per_item_max, sample, save_json
+from vlaserve.runtime.runner import EagerRunner
 
 SEEDS = {1: range(1, 17), 8: range(1, 9)}
+SMOKE_SEEDS = {1: range(1, 3), 2: range(1, 2)}
 
 
 def main():
-    args, results, save = bench_run("bf16_error", {"fa4": "also the fast path with attention_library='fa4'"})
+    ap = parser(__doc__)
+    ap.add_argument("--fa4", action="store_true", help="also the fast path with attention_library='fa4'")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False
     started = time.time()
-    cfg, model, model32, policy_config = full_size_models()
-    lerobot = build_lerobot(model, "bfloat16")
+    model, policy_config = bench_model(args.smoke, device)
+    model32 = copy.deepcopy(model).float()
+    vocab = model.config.vlm.vocab_size
+    results: dict = {"device": device, "torch": torch.__version__, "smoke": args.smoke}
+    lerobot = None
+    if not args.smoke or importlib.util.find_spec("lerobot") is not None:  # the real run needs it
+        lerobot = build_lerobot(model, "bfloat16", device)
+    results["lerobot"] = lerobot is not None
     bucket = default_bucket()
-    libraries = ("triton", "fa4") if args.fa4 else ("triton",)
-    runners = {lib: FastRunner(model, policy_config, attention_library=lib) for lib in libraries}
+    if device == "cuda":
+        from vlaserve.runtime.fast.graphs import FastRunner
+
+        libraries = ("triton", "fa4") if args.fa4 else ("triton",)
+        runners = {lib: FastRunner(model, policy_config, attention_library=lib) for lib in libraries}
+    else:  # --smoke: the eager runner stands in for the CUDA fast path
+        runners = {"eager_runner": EagerRunner(model, torch.device(device))}
     log(f"built ({time.time() - started:.0f}s)")
     results["per_call"] = {}
-    for b, seeds in SEEDS.items():
+    for b, seeds in (SMOKE_SEEDS if args.smoke else SEEDS).items():
         rows_out = []
         for seed in seeds:
-            inputs, noise = make_inputs(b, cfg.vlm.vocab_size, seed=100 * b + seed)
+            inputs, noise = make_inputs(b, vocab, seed=100 * b + seed, device=device)
             ref = eager(model32, inputs, noise)
-            row = {"seed": seed, "lerobot_bf16": per_item_max(lerobot_sample(lerobot, inputs, noise), ref)}
+            row = {"seed": seed}
+            if lerobot is not None:
+                row["lerobot_bf16"] = per_item_max(lerobot_sample(lerobot, inputs, noise), ref)
             for lib, runner in runners.items():
-                out, _ = runner.sample(bucketed(inputs, bucket), noise, STEPS, None)
+                out, _ = sample(runner, bucketed(inputs, bucket), noise)
                 row[f"ours_{lib}"] = per_item_max(out, ref)
             rows_out.append(row)
         results["per_call"][b] = rows_out
@@ -54,9 +72,9 @@ def main():
             name: {"mean": statistics.mean(r[name] for r in rows_out), "max": max(r[name] for r in rows_out),
                    "calls": len(rows_out)} for name in names}
         log(f"b={b}:", {n: {k: round(v, 5) for k, v in s.items()} for n, s in results["summary"][b].items()})
-        save()
+        save_json(results, args.out, "bf16_error")
     results["elapsed_s"] = time.time() - started
-    save()
+    save_json(results, args.out, "bf16_error")
 
 
 if __name__ == "__main__":

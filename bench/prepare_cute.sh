@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Packs what bench/cute_probe.py needs on the GPU machine (no network there): FlashAttention-4,
+# Packs the `cute` extra for the GPU machine (no network there), for `bench_gpu.py --gemm-library quack`,
+# `--attention-library fa4` and `bf16_error.py --fa4`: FlashAttention-4,
 # quack-kernels and NVIDIA's CUTLASS Python DSL for CUDA 13, for the device's Python 3.12. Their
 # wheels are 100 MB; unpacked and xz-compressed they are 72 MB, and one device call carries 64 MiB
 # with the tracked tree (~32 MB) in it, so the archive is cut in 30 MB parts in .cute/ (git-ignored)
@@ -12,7 +13,7 @@
 #     cp .cute/site.tar.xz.part-* /tmp/parts/ && mkdir -p /tmp/cute
 #     cat /tmp/parts/site.tar.xz.part-* | tar -C /tmp/cute -xJf -
 #     export PYTHONPATH=/tmp/site:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages:src  # the DSL's .pth
-#     python3 bench/cute_probe.py
+#     python3 bench/bench_gpu.py --lerobot --gemm-library quack   # or bf16_error.py --fa4
 # cuda-bindings, einops and protobuf, which they also need, are in the device's image.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,166 @@
+"""Every benchmark in bench/ runs its --smoke mode here, so none can rot unnoticed.
+
+A smoke run is the script's own code on the CPU at the golden checkpoint's tiny sizes (servers,
+clients, runners, the JSON and the plot), in a subprocess as a user runs it. Each check reads the
+JSON it wrote and asserts values that only the real path produces: the golden cases matched, actions
+bit-identical where the same function ran twice, a server answered every robot with its own
+answer. Speeds are not checked (a CPU smoke run measures nothing worth keeping).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+# The subprocesses (and the servers they start) share this machine's cores with the test runner:
+# one torch thread each keeps a smoke run in seconds instead of fighting over the cores.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# bf16 keeps 8 significant bits (relative error <= 2^-8 per rounding); through the tiny model's few
+# layers the actions (|a| ~ 1) move by ~1e-3 against float32. 0.05 catches a wrong function, not noise.
+BF16_BOUND = 0.05
+
+
+def run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--smoke", "--out", str(out), *args],
+                          capture_output=True, text=True, env=ENV)
+    assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def result(out: Path, name: str, png: bool) -> dict:
+    assert (out / f"{name}.png").is_file() == png
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def check_bench_gpu(out: Path) -> None:
+    r = result(out, "bench_gpu", png=True)
+    assert r["device"] == "cpu" and r["smoke"] and r["served_variant"] == "eager_runner"
+    (case,) = r["golden"].values()
+    assert case["exact_ok"] and not case["eager_beyond_tolerance"]
+    acc = r["accuracy"]["1"]
+    # The eager runner runs the eager model: the same function, bit for bit; bf16 is not fp32.
+    assert acc["eager_runner_vs_eager_bf16"] == 0.0 and acc["fast_repeat_bit_identical"]
+    assert 0 < acc["eager_bf16_vs_fp32"] < BF16_BOUND and acc["fast_default_bucket_vs_fp32"] < BF16_BOUND
+    assert r["workload"]["default_bucket"] < r["workload"]["tokens"]  # the bucketed call ran shorter prompts
+    assert r["options_b1"]["prefix_cache_hit_equals_miss"] and r["options_b1"]["two_cams_vs_eager_bf16"] == 0.0
+    assert r["policy_b1"]["wall_p50_ms"] >= r["policy_b1"]["gpu_p50_ms"] > 0
+    assert r["timings"]["1"]["eager_runner"]["p50_ms"] > 0 and r["ceilings"]["bf16_gemm_tflops"] > 0
+
+
+def check_bench_pi0_gpu(out: Path) -> None:
+    r = result(out, "bench_pi0_gpu", png=True)
+    acc = r["accuracy"]["1"]
+    assert acc["eager_runner_vs_fp32"] == acc["eager_bf16_vs_fp32"]  # the runner runs the eager model
+    assert 0 < acc["eager_runner_vs_fp32"] < BF16_BOUND and acc["eager_runner_repeat_bit_identical"]
+
+
+def check_bf16_error(out: Path) -> None:
+    r = result(out, "bf16_error", png=False)
+    assert [len(r["per_call"][b]) for b in ("1", "2")] == [2, 1]
+    summary = r["summary"]["1"]["ours_eager_runner"]
+    assert summary["calls"] == 2 and 0 < summary["mean"] <= summary["max"] < BF16_BOUND
+
+
+def check_bench_memory(out: Path) -> None:
+    r = result(out, "bench_memory", png=True)
+    # On a CPU every profile serves the eager model: the same actions, bit for bit (offload included).
+    assert set(r["actions_b1"]) == {"eager", "default", "edge-16gb", "offload", "offload eager"}
+    assert all(a["bit_identical_to_default"] for a in r["actions_b1"].values())
+    cold = r["cold_start"]
+    assert cold["loaders_bit_identical"]["bit_identical"]
+    for name in ("cold safetensors", "warm safetensors"):
+        assert cold[name]["process_to_first_action_s"] > cold[name]["first_infer_s"] > 0
+        assert 0 < cold[name]["load_weight_bytes"] <= cold["weight_file_bytes"] and not cold[name]["fast_path"]
+
+
+def check_bench_serve(out: Path) -> None:
+    r = result(out, "bench_serve", png=False)
+    assert r["first_action_shape"] == [50, 14] and r["server_exit_code"] == 0
+    assert r["metadata"]["device"] == "cpu"
+    assert r["openpi_ws"]["n"] == r["http_msgpack"]["n"] == r["realtime_ws"]["n"] == 3
+    assert r["process_to_first_action_s"] > r["process_to_healthz_s"] > 0
+
+
+def check_bench_fleet(out: Path) -> None:
+    r = result(out, "bench_fleet", png=True)
+    assert [(lv["robots"], lv["hz"]) for lv in r["levels"]] == [(1, 0.0), (2, 0.0), (2, 2.0)]
+    for lv in r["levels"]:  # every answer was its own robot's reference answer
+        assert lv["answers"] > 0 and lv["errors"] == lv["wrong"] == lv["crossed"] == 0
+    assert r["min_distance_between_robots"] > 0.25  # robots' answers are told apart (WRONG_ANSWER)
+
+
+def check_bench_rtc(out: Path) -> None:
+    r = result(out, "bench_rtc", png=True)
+    assert list(r["modes"]) == ["sync", "async", "async+rtc"]
+    for mode in r["modes"].values():
+        assert mode["ticks"] == 150 and mode["switches"] >= 1
+    assert "executor" in r["modes"]["async+rtc"] and r["rtc_over_plain_jump_at_switch"] > 0
+
+
+def check_bench_prepare(out: Path) -> None:
+    r = result(out, "bench_prepare", png=False)
+    for label in ("back_to_back", "after_idle"):
+        assert r[label]["prepare_p50_ms"] > 0 and {"tokenizer", "prepare_image (x3)"} <= set(r[label]["steps_p50_ms"])
+    assert r["thread_pool_after_idle"]["prepare_in_thread_pool_p50_ms"] > 0
+
+
+def check_bench_overlap(out: Path) -> None:
+    r = result(out, "bench_overlap", png=False)
+    # Enqueued back to back or run alone: the same batches, the same kernels, the same bits.
+    assert r["exactness"]["1"]["bitwise_equal"] and r["exactness"]["8"]["bitwise_equal"]
+    assert [(lv["robots"], lv["overlap"]) for lv in r["fleet"]] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(lv["obs_per_s"] > 0 for lv in r["fleet"])
+
+
+def check_bench_ray(out: Path) -> None:
+    r = result(out, "bench_ray", png=False)
+    assert set(r["runs"]) == {"vlaserve_serve", "ray_1_replicas"}
+    for run in r["runs"].values():
+        assert run["exit_code"] == 0 and run["fleet"]["errors"] == 0 and run["openpi"]["n"] == 3
+    assert set(r["ray_added_p50_ms"]) == {"metadata", "http_1step", "openpi"}
+
+
+SMOKE = {
+    "bench_gpu": check_bench_gpu, "bench_pi0_gpu": check_bench_pi0_gpu, "bf16_error": check_bf16_error,
+    "bench_memory": check_bench_memory, "bench_serve": check_bench_serve, "bench_fleet": check_bench_fleet,
+    "bench_rtc": check_bench_rtc, "bench_prepare": check_bench_prepare, "bench_overlap": check_bench_overlap,
+    "bench_ray": check_bench_ray,
+}
+SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray"}
+
+
+def test_every_benchmark_has_a_smoke_check():
+    scripts = {p.stem for p in BENCH.glob("*.py")} - {"common"}
+    assert scripts <= set(SMOKE), f"bench scripts without a smoke check here: {sorted(scripts - set(SMOKE))}"
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SMOKE])
+def test_smoke(script, tmp_path):
+    run(script, tmp_path)
+    SMOKE[script](tmp_path)
+
+
+@pytest.mark.slow
+def test_bench_gpu_golden_only_and_saved_actions(tmp_path):
+    """--golden-only: both families' golden cases and the runtime's exactness checks; --actions saved
+    by one run compare bit for bit in the next (the refactor gate, on the CPU's eager runner)."""
+    saved = tmp_path / "before.pt"
+    run("bench_gpu", tmp_path / "first", "--golden-only", "--actions", str(saved))
+    run("bench_gpu", tmp_path / "second", "--golden-only", "--compare-actions", str(saved))
+    r = result(tmp_path / "second", "golden_gpu", png=False)
+    for family in ("pi05_golden", "pi0_golden"):
+        # The golden tests' own tolerances (vlaserve.golden.tolerance): 1e-5, RTC's guided velocity more.
+        assert all(case["exact_ok"] and not case["eager_beyond_tolerance"] for case in r[family]["cases"].values())
+        assert r[family]["prefix_cache_hit_equals_miss"] and r[family]["overlapped_equals_serial"]
+    assert [(v["bit_identical"], v["max_abs_diff"]) for v in r["actions_vs_saved"].values()] == [(True, 0.0)] * 2
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common"))
+def test_help(script):
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--help"], capture_output=True, text=True,
+                          env=ENV)
+    assert proc.returncode == 0 and "--smoke" in proc.stdout and "--out" in proc.stdout, proc.stderr
