@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlaserve.cli import UsageError, serve_options
+from vlaserve.options import UsageError, serve_options
 from vlaserve.runtime.batcher import Batcher
 from vlaserve.errors import NonFiniteActions
 from vlaserve.types import Observation, Request

@@ -10,9 +10,10 @@ import torch
 
 from conftest import golden_dir
 from vlaserve import Policy
-from vlaserve.checkpoint.weights import build_model, random_model
 from vlaserve.cli import main
-from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig, load_policy_config
+from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig
+from vlaserve.demo import build_model, random_model
+from vlaserve.family import load_policy_config
 from vlaserve.errors import ConfigError, InsufficientMemory
 from vlaserve.golden import GoldenCase, case_dirs
 from vlaserve.runtime.fast.model import FastPi05

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from .checkpoint.files import checkpoint_files, resolve_checkpoint
 from .checkpoint.weights import load_weights, parameter_counts
-from .config import PolicyConfig, RuntimeConfig, load_policy_config
+from .config import PolicyConfig, RuntimeConfig
 from .errors import InvalidRequest
-from .family import family_of
+from .family import family_of, load_policy_config
 from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
