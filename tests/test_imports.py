@@ -124,10 +124,52 @@ def _cycle_in(component: set[str], graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_package_has_no_import_cycle():
-    graph = import_graph(package_root())
-    cycles = find_cycles(graph)
+    cycles = find_cycles(import_graph(package_root()))
     assert not cycles, "import cycles (function-local imports count):\n" + "\n".join(
         " -> ".join(cycle) for cycle in cycles)
+
+
+# What a module may not import (itself or below it), by the layers of the README's Layout: the
+# data types know only the errors; config is dataclasses; checkpoint/ reads files, builds no model;
+# nothing below the policy knows the policy, the batcher above it, or the server and command line.
+ABOVE_THE_POLICY = ("vlaserve.policy", "vlaserve.batcher", "vlaserve.server", "vlaserve.fleet", "vlaserve.cli",
+                    "vlaserve.options", "vlaserve.info", "vlaserve.golden")
+RULES = {
+    "vlaserve.types": {"allowed": ("vlaserve.errors",)},
+    "vlaserve.config": {"allowed": ("vlaserve.errors", "vlaserve.checkpoint.files")},
+    "vlaserve.checkpoint": {"forbidden": ("vlaserve.model", "vlaserve.family", "vlaserve.processing",
+                                          "vlaserve.runtime", "vlaserve.demo", *ABOVE_THE_POLICY)},
+    **{layer: {"forbidden": ABOVE_THE_POLICY} for layer in (
+        "vlaserve.errors", "vlaserve.model", "vlaserve.processing", "vlaserve.runtime", "vlaserve.family",
+        "vlaserve.demo")},
+    "vlaserve.policy": {"forbidden": ABOVE_THE_POLICY[1:]},
+    "vlaserve.fleet": {"forbidden": ("vlaserve.cli",)},
+}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, imports in sorted(graph.items()):
+        for layer, rule in RULES.items():
+            if not _within(module, layer):
+                continue
+            for target in sorted(imports):
+                if _within(target, layer):
+                    continue
+                if "allowed" in rule and not any(_within(target, a) for a in rule["allowed"]):
+                    found.append(f"{module} imports {target} (it may import only {', '.join(rule['allowed'])})")
+                if any(_within(target, f) for f in rule.get("forbidden", ())):
+                    found.append(f"{module} imports {target}, a layer above it")
+    return found
+
+
+def test_each_layer_imports_only_below_it():
+    violations = layering_violations(import_graph(package_root()))
+    assert not violations, "\n".join(violations)
 
 
 # ---- the checker itself can fail ---------------------------------------------------------------
@@ -166,6 +208,22 @@ def test_every_spelling_of_an_import_is_an_edge(tmp_path, statement):
         "fleet/command.py": f"def options():\n    {statement}\n",
     })
     assert find_cycles(import_graph(root)) == [["vlaserve.cli", "vlaserve.fleet.command", "vlaserve.cli"]]
+
+
+def test_a_layer_importing_upwards_is_found(tmp_path):
+    root = write(tmp_path, {
+        "__init__.py": "",
+        "errors.py": "",
+        "types.py": "from .errors import InvalidInput\ndef to(x):\n    from .processing.images import place_frames\n",
+        "processing/__init__.py": "",
+        "processing/images.py": "",
+        "runtime/__init__.py": "",
+        "runtime/batcher.py": "from ..policy import Policy\n",
+        "policy.py": "",
+    })
+    assert layering_violations(import_graph(root)) == [
+        "vlaserve.runtime.batcher imports vlaserve.policy, a layer above it",
+        "vlaserve.types imports vlaserve.processing.images (it may import only vlaserve.errors)"]
 
 
 def test_an_acyclic_package_passes(tmp_path):

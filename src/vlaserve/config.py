@@ -97,6 +97,12 @@ class MemoryProfile:
     max_graph_batch: int | None = None  # largest batch with CUDA graphs, and the server's batch cap; None: no bound
     prefix_cache_entries: int = 64  # the prefix cache's default size (one prefix's K/V per entry)
 
+    def batch_limit(self, max_batch_size: int) -> int:
+        """The largest batch that runs: max_batch_size, capped by max_graph_batch. The one place the
+        cap is computed; the batcher, the CUDA graphs and the memory estimate all read it (through
+        RuntimeConfig.batch_limit when serving)."""
+        return max_batch_size if self.max_graph_batch is None else min(max_batch_size, self.max_graph_batch)
+
 
 PROFILES = {p.name: p for p in (
     MemoryProfile("default", "all weights resident; CUDA graphs and buffers for every batch size"),
@@ -222,9 +228,8 @@ class RuntimeConfig:
 
     @property
     def batch_limit(self) -> int:
-        """The largest batch that runs: max_batch_size, capped by the profile's graph batch."""
-        cap = self.profile.max_graph_batch
-        return self.max_batch_size if cap is None else min(self.max_batch_size, cap)
+        """The largest batch that runs (the server's batches, the graphs captured, the memory checked for)."""
+        return self.profile.batch_limit(self.max_batch_size)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

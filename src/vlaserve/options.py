@@ -210,7 +210,7 @@ def build_service(options: dict, demo: str | None = None, progress: bool = True,
     from .server.service import ServerSettings
 
     runtime = replace(options["runtime"], **runtime_overrides)
-    settings = ServerSettings.from_options(options, runtime)
+    settings = ServerSettings.from_options(options)
     policy = Policy.from_pretrained(checkpoint_or_demo(options["checkpoint"], demo), runtime, progress=progress)
     check_camera_aliases(settings.camera_aliases, policy.config.cameras)
     if options["served_model_name"] is not None:

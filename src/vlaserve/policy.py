@@ -116,7 +116,8 @@ class Policy:
         canonical = self.layout.canonical(obs)
         observation = Observation.create(canonical["images"], canonical.get("state"), canonical.get("task"),
                                          canonical.get("images_normalized", False))
-        return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc)
+        return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc,
+                              default_steps=self.config.num_inference_steps)
 
     def prepare(self, request: Request | dict) -> PreparedObservation:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
@@ -144,7 +145,7 @@ class Policy:
     def launch(self, requests: list[Request]) -> "LaunchedBatch":
         """Collates requests of one step count and enqueues them on the device without waiting (the
         batcher's call: it enqueues the next batch while this one runs); `finish()` waits for them."""
-        steps = {r.num_steps or self.config.num_inference_steps for r in requests}
+        steps = {r.num_steps for r in requests}
         if len(steps) != 1:
             raise InvalidRequest("num_steps", "requests of one batch must share the step count")
         started = time.perf_counter()

@@ -148,7 +148,7 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
                     for stack in STREAMED_PREFIXES)
 
     graphs = fast_path  # under offload, too: only the prefix runs outside graphs there
-    batch = min(batch_size, profile.max_graph_batch or batch_size)
+    batch = profile.batch_limit(batch_size)
     itemsize = dtype.itemsize
     # The graph engine keeps buffers for every batch size it captured; eager code only the current call's.
     buffer_items = sum(graph_batch_sizes(graph_batches, batch)) if graphs else batch
