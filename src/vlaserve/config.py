@@ -224,7 +224,12 @@ class RuntimeConfig:
         if self.prompt_buckets != "auto":
             return self.prompt_buckets
         half = max_token_len // 2 // 16 * 16
-        return (half,) if device_type == "cuda" and self.fast_path and 16 <= half < max_token_len else ()
+        return (half,) if self.runs_fast_path(device_type) and 16 <= half < max_token_len else ()
+
+    def runs_fast_path(self, device_type: str) -> bool:
+        """Whether the CUDA fast path (fused weights, Triton kernels, CUDA graphs) serves on this
+        device type; the eager model serves otherwise."""
+        return self.fast_path and device_type == "cuda"
 
     @property
     def batch_limit(self) -> int:

@@ -20,8 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint.files import resolve_checkpoint
+
 DEMO_NAMES = {"pi05": "demo-pi05-v1", "pi0": "demo-pi0-v1"}
 DEMO_NAME = DEMO_NAMES["pi05"]  # the default demo
+# Checkpoint ids that name a demo (Policy.from_pretrained("demo-pi0"), `vlaserve serve demo-pi0`) -> its family.
+DEMO_IDS = {"demo": "pi05", "demo-pi05": "pi05", "demo-pi0": "pi0"}
 DEMO_SEED = 20261201
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 STATE_DIM = ACTION_DIM = 14
@@ -60,6 +64,13 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, policy_type: str
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def find_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """A local directory; else a demo id (DEMO_IDS; built on first use); else a Hugging Face hub id."""
+    if str(path_or_id) in DEMO_IDS and not Path(path_or_id).expanduser().is_dir():
+        return demo_checkpoint(policy_type=DEMO_IDS[str(path_or_id)])
+    return resolve_checkpoint(path_or_id)
 
 
 def write_demo_checkpoint(out: Path, policy_type: str = "pi05") -> None:

@@ -157,7 +157,7 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        if runtime.fast_path and device.type == "cuda":
+        if runtime.runs_fast_path(device.type):
             self._start_fast_path(model, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
