@@ -96,7 +96,7 @@ class VlaserveReplica:
 
 
 def build(options: dict, name: str | None = None):
-    """The bound application for serve.run (options: cli.serve_options with the Ray keys)."""
+    """The bound application for serve.run (options: options.serve_options with the Ray keys)."""
     from .options import RAY_OPTIONS, deployment_options
 
     # The replicas get only serve's options: a change of a Ray key (scale, autoscaling) then leaves
