@@ -108,7 +108,8 @@ def test_a_local_directory_named_like_a_demo_id_is_loaded_as_a_directory(demo, t
     monkeypatch.setenv("VLASERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo-pi0").symlink_to(demo)  # a Pi0.5 checkpoint under Pi0's demo id
-    assert Policy.from_pretrained("demo-pi0", device="cpu", dtype="float32", progress=False).config.policy_type == "pi05"
+    policy = Policy.from_pretrained("demo-pi0", device="cpu", dtype="float32", progress=False)
+    assert policy.config.policy_type == "pi05"
     assert not (tmp_path / "cache").exists()  # no demo was built
 
 

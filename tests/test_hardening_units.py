@@ -197,7 +197,8 @@ def test_row5_non_finite_actions_fail_only_their_own_request():
     batcher = Batcher(policy, max_batch_size=4, batch_delay_ms=200)
 
     async def three():
-        requests = [Request(Observation({}, np.zeros(14, np.float32), t), num_steps=10) for t in ("good", "bad", "good")]
+        requests = [Request(Observation({}, np.zeros(14, np.float32), t), num_steps=10)
+                    for t in ("good", "bad", "good")]
         return await asyncio.gather(*(batcher.submit(r) for r in requests),
                                     return_exceptions=True)
 

@@ -18,7 +18,8 @@ from .demo import DEMO_NAMES
 from .errors import VlaserveError
 from .fleet.command import add_parser as add_serve_ray_parser  # stdlib only: Ray is imported when it runs
 from .info import add_parser as add_info_parser
-from .options import API_KEY_ENV, DEMO_HELP, SERVE_OPTIONS, UsageError, add_options, build_service, check_can_bind, serve_options
+from .options import (API_KEY_ENV, DEMO_HELP, SERVE_OPTIONS, UsageError, add_options, build_service, check_can_bind,
+                      serve_options)
 
 log = logging.getLogger("vlaserve")
 

@@ -167,8 +167,8 @@ class Runtime:
     def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
         from .fast.graphs import FastRunner
 
-        fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload, gemm_library=self.settings.gemm_library,
-                          attention_library=self.settings.attention_library)
+        fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
+                          gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library)
         if not background:
             self._warm_up(fast)
             self.runner, self.fast_path = fast, True
