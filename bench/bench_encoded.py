@@ -32,7 +32,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlaserve.processing.encoded import EncodedImage  # noqa: E402
+from vlaserve.processing.encoded import decode_image  # noqa: E402
+from vlaserve.types import EncodedImage  # noqa: E402
 
 SIZES = ((224, 224), (480, 640))
 ENCODINGS = {"raw": None, "jpeg_q90": ("JPEG", {"quality": 90}), "jpeg_q95": ("JPEG", {"quality": 95}),
@@ -97,7 +98,7 @@ def measure(size: tuple[int, int], cameras: int, rates: list[float], reps: int, 
             payloads = [encode(f, fmt, options) for f in frames]
             encode_ms = sum(median_ms(lambda f=f: encode(f, fmt, options), reps) for f in frames)
             # What the server does with each, in Policy.prepare: check the header, decode.
-            server_ms = sum(median_ms(lambda p=p: EncodedImage(p).decode("images.x"), reps) for p in payloads)
+            server_ms = sum(median_ms(lambda p=p: decode_image(EncodedImage(p), "images.x"), reps) for p in payloads)
         size_bytes = body_bytes(payloads)
         transfer = {f"{rate:g}": size_bytes * 8 / (rate * 1e6) * 1e3 for rate in rates}
         out[name] = {

@@ -10,12 +10,14 @@ import torch
 
 from conftest import fixture_dir
 from vlaserve import Policy
-from vlaserve.config import ModelConfig, load_policy_config
+from vlaserve.config import ModelConfig
+from vlaserve.family import load_policy_config
 from vlaserve.errors import CheckpointError
 from vlaserve.golden import FLOAT_TOLERANCE, GoldenCase, case_dirs
 from vlaserve.processing.normalize import Normalizer
 from vlaserve.processing.pipeline import ProcessorPipeline, RelativeActions
-from vlaserve.checkpoint.weights import build_model, param_dtype
+from vlaserve.checkpoint.weights import param_dtype
+from vlaserve.demo import build_model
 
 VARIANTS = fixture_dir("pi05_golden_variants")
 CASES = [d for v in ("relative", "renamed") for d in case_dirs(VARIANTS / v)]

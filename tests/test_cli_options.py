@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 
 import vlaserve
-from vlaserve.cli import RequestLog, UsageError, build_parser, check_can_bind, reachability, serve_options
+from vlaserve.cli import RequestLog, build_parser, reachability
+from vlaserve.options import UsageError, check_can_bind, serve_options
 
 from test_server_cli import run_serve
 

@@ -16,6 +16,7 @@ from vlaserve.errors import ConfigError, InvalidInput
 from vlaserve.model.gemma import AdaRMSNorm, RMSNorm
 from vlaserve.processing.images import prepare_image, resized_shape
 from vlaserve.processing.normalize import QuantileNormalizer, load_openpi_normalization
+from vlaserve.processing.prepare import to_device
 from vlaserve.processing.prompt import discretize_state
 
 
@@ -332,7 +333,7 @@ def test_uint8_images_travel_as_bytes_and_convert_bit_identically(golden_policy)
     request = golden_policy.request(obs)
     prepared = golden_policy.prepare(request)
     assert prepared.images.dtype == torch.uint8  # 4x less host work and transfer than float32
-    on_device = golden_policy.preprocessor.collate([request])[0].to("cpu").images[0]
+    on_device = to_device(golden_policy.preprocessor.collate([request])[0], "cpu").images[0]
     for slot, cam in enumerate(prepared.slot_cameras):
         expected = prepare_image(obs["images"][cam], 224, cam) if cam in obs["images"] else torch.full((3, 224, 224), -1.0)
         assert torch.equal(on_device[slot], expected)

@@ -93,6 +93,26 @@ def test_loads_and_is_labelled_a_demo(demo):
     assert result.actions.shape == (50, 14) and np.isfinite(result.actions).all()
 
 
+@pytest.mark.parametrize("name, policy_type", [("demo", "pi05"), ("demo-pi05", "pi05"), ("demo-pi0", "pi0")])
+def test_from_pretrained_takes_the_demo_ids(tmp_path, monkeypatch, name, policy_type):
+    monkeypatch.setenv("VLASERVE_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # (a directory of that name would win)
+    policy = Policy.from_pretrained(name, device="cpu", dtype="float32", progress=False)
+    meta = policy.metadata
+    assert (meta["is_demo"], meta["policy_type"], meta["model"]) == (True, policy_type, DEMO_NAMES[policy_type])
+    assert meta["checkpoint"] == str(tmp_path / DEMO_NAMES[policy_type])
+    assert policy.infer(make_observation(0), seed=0).actions.shape == (50, 14)
+
+
+def test_a_local_directory_named_like_a_demo_id_is_loaded_as_a_directory(demo, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLASERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo-pi0").symlink_to(demo)  # a Pi0.5 checkpoint under Pi0's demo id
+    policy = Policy.from_pretrained("demo-pi0", device="cpu", dtype="float32", progress=False)
+    assert policy.config.policy_type == "pi05"
+    assert not (tmp_path / "cache").exists()  # no demo was built
+
+
 @pytest.mark.parametrize("args, policy_type", [([], "pi05"), (["--demo", "pi0"], "pi0")], ids=["default", "pi0"])
 def test_serve_without_a_checkpoint_runs_the_demo_offline(tmp_path, args, policy_type):
     env = {"VLASERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}

@@ -1,5 +1,5 @@
 """Camera frames of another size than the model's are resized where the batch runs (on a GPU server,
-the GPU: prepare keeps them raw and ModelInputs.to finishes them). The same torch operations run
+the GPU: prepare keeps them raw and processing.prepare.to_device finishes them). The same torch operations run
 either way, so on one device the answers must be bit-identical to resizing during prepare."""
 
 import numpy as np
@@ -83,7 +83,7 @@ def test_prefix_cache_tells_deferred_frames_apart():
 
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
 def test_golden_cases_with_deferred_resize(deferring, case_dir):
-    """The golden resize cases (float frames of 180x320 and 480x640) resized in ModelInputs.to."""
+    """The golden resize cases (float frames of 180x320 and 480x640) resized in processing.prepare.to_device."""
     case = GoldenCase.load(case_dir)
     exact, deltas = compare_case(deferring, case)
     assert all(exact.values()), {k: v for k, v in exact.items() if not v}

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlaserve.cli import UsageError, serve_options
-from vlaserve.runtime.batcher import Batcher
+from vlaserve.options import UsageError, serve_options
+from vlaserve.batcher import Batcher
 from vlaserve.errors import NonFiniteActions
 from vlaserve.types import Observation, Request
 from vlaserve.server import ServerSettings, create_app
@@ -26,7 +26,7 @@ from vlaserve.server.openpi import request_from_openpi
 from vlaserve.server.schema import ApiError, parse_generation
 
 METADATA = {"model": "m", "checkpoint": "/c", "cameras": ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"],
-            "action_horizon": 50, "max_action_dim": 32, "action_dim": 14}
+            "action_horizon": 50, "max_action_dim": 32, "action_dim": 14, "num_inference_steps": 10}
 
 
 LAYOUT = KeyLayout(tuple(METADATA["cameras"]))
@@ -34,6 +34,7 @@ LAYOUT = KeyLayout(tuple(METADATA["cameras"]))
 
 class _FakeService:  # what request_from_openpi reads
     layout = LAYOUT
+    identity = METADATA
 
 
 # ---- fuzz: the HTTP and websocket decoders -----------------------------------------------------
@@ -196,7 +197,8 @@ def test_row5_non_finite_actions_fail_only_their_own_request():
     batcher = Batcher(policy, max_batch_size=4, batch_delay_ms=200)
 
     async def three():
-        requests = [Request(Observation({}, np.zeros(14, np.float32), t)) for t in ("good", "bad", "good")]
+        requests = [Request(Observation({}, np.zeros(14, np.float32), t), num_steps=10)
+                    for t in ("good", "bad", "good")]
         return await asyncio.gather(*(batcher.submit(r) for r in requests),
                                     return_exceptions=True)
 

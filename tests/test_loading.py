@@ -7,7 +7,8 @@ import torch
 
 from vlaserve import CheckpointError, Policy
 from vlaserve.checkpoint import files as files_module
-from vlaserve.cli import UsageError, read_checkpoint_ahead, serve_options
+from vlaserve.cli import read_checkpoint_ahead
+from vlaserve.options import UsageError, serve_options
 from vlaserve.checkpoint.files import ReadAhead, check_weight_loader, checkpoint_files, read_ahead
 
 

@@ -10,9 +10,11 @@ import torch
 
 from conftest import golden_dir
 from vlaserve import Policy
-from vlaserve.checkpoint.weights import build_model, random_model
 from vlaserve.cli import main
-from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig, load_policy_config
+from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig
+from vlaserve.demo import build_model, random_model
+from vlaserve.family import load_policy_config
+from vlaserve.checkpoint.weights import checkpoint_shapes
 from vlaserve.errors import ConfigError, InsufficientMemory
 from vlaserve.golden import GoldenCase, case_dirs
 from vlaserve.runtime.fast.model import FastPi05
@@ -239,7 +241,7 @@ def test_info_prints_the_parameter_counts(golden, capsys):
     text = capsys.readouterr().out
     assert f"{used:,} used: {used:,} float32 (serving dtype float32)" in text
     assert "base_0_rgb, left_wrist_0_rgb, right_wrist_0_rgb" in text and "normalization   lerobot" in text
-    assert main(["info", str(golden / "checkpoint")]) == 0
+    assert main(["info", str(golden / "checkpoint"), "--device", "cuda"]) == 0  # auto dtype on CUDA: bfloat16
     text = capsys.readouterr().out
     assert f"{used:,} used: {used - fp32:,} bfloat16 + {fp32:,} float32 (serving dtype bfloat16)" in text
     for name in PROFILES:
@@ -248,7 +250,7 @@ def test_info_prints_the_parameter_counts(golden, capsys):
 
 def test_info_json_parses(golden, capsys):
     used, fp32 = golden_fp32_split(golden)
-    assert main(["info", str(golden / "checkpoint"), "--json", "--max-batch-size", "4"]) == 0
+    assert main(["info", str(golden / "checkpoint"), "--json", "--max-batch-size", "4", "--device", "cuda"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == {"total": used, "by_dtype": {"bfloat16": used - fp32, "float32": fp32}}
     assert (info["state_dim"], info["action_dim"], info["action_horizon"]) == (14, 14, 50)
@@ -257,6 +259,26 @@ def test_info_json_parses(golden, capsys):
     offload = info["memory"]["profiles"]["offload"]["estimates"][0]
     assert offload["total"] == sum(offload[k] for k in ("weights", "offload_slots", "kv_and_buffers",
                                                          "activations", "headroom"))
+
+
+def test_info_reports_what_serve_uses_on_this_machine(golden, capsys):
+    """Device and dtype "auto", as serve: the dtype the loaded policy has, and CUDA graphs in the
+    memory only where the policy runs the fast path (on a CPU: float32, the eager model)."""
+    policy = Policy.from_pretrained(golden / "checkpoint", progress=False)  # serve's defaults
+    meta = policy.metadata
+    assert main(["info", str(golden / "checkpoint"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["device"], info["dtype"]) == (policy.runtime.device.type, meta["dtype"])
+    assert info["cuda_graphs"] == meta["fast_path"]
+    config, shapes = policy.config, checkpoint_shapes(golden / "checkpoint")
+    for name, profile in PROFILES.items():
+        assert info["memory"]["profiles"][name]["estimates"] == [
+            estimate_memory(shapes, config, policy.runtime.dtype, profile, b, fast_path=meta["fast_path"]).as_dict()
+            for b in (1, 8)]
+    if policy.runtime.device.type == "cpu":
+        assert (info["dtype"], info["cuda_graphs"]) == ("float32", False)
+        assert main(["info", str(golden / "checkpoint")]) == 0
+        assert "eager at batch 8" in capsys.readouterr().out
 
 
 def test_info_on_the_demo(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,8 @@ from test_server import (ATOL, CAMERAS, GENERATIONS, MSGPACK, ServerProcess, mak
 
 from conftest import fixture_dir
 from vlaserve import Policy
-from vlaserve.cli import checkpoint_info, main
+from vlaserve.cli import main
+from vlaserve.info import checkpoint_info
 from vlaserve.errors import CheckpointError
 from vlaserve.golden import FLOAT_TOLERANCE, GoldenCase
 

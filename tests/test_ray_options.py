@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from vlaserve.cli import UsageError, main
+from vlaserve.cli import main
+from vlaserve.options import UsageError
 from vlaserve.fleet.command import fleet_options
 from vlaserve.fleet.options import deployment_options
 
@@ -67,6 +68,7 @@ def test_serve_ray_without_ray_says_how_to_install(monkeypatch, caplog):
 
 
 def test_vlaserve_serve_never_imports_ray():
-    code = ("import sys, vlaserve.cli as cli; cli.build_parser(); cli.serve_options({}); "
+    code = ("import sys, vlaserve.cli as cli, vlaserve.options as options; "
+            "cli.build_parser(); options.serve_options({}); "
             "import vlaserve.server.app; assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from vlaserve.runtime.batcher import Batcher, BatcherClosed
+from vlaserve.batcher import Batcher, BatcherClosed
 
 # Batched vs single inference of the same inputs differ only in float32 reduction order
 # (measured up to 7e-7 on these actions); 1e-4 is 10x below the smallest bug-sized change (1.2e-3).
@@ -145,10 +145,26 @@ def test_continuous_batching_runs_a_lone_request_at_once_and_queued_ones_togethe
         np.testing.assert_allclose(result.actions, expected.actions, rtol=0, atol=ATOL)
 
 
+def test_a_request_naming_the_default_step_count_batches_with_one_that_names_none(golden_policy):
+    """The step count is resolved when a request is built, so the batcher sees the checkpoint's
+    default on both (it groups by step count; comparing 10 with "unset" would split them)."""
+    default = golden_policy.config.num_inference_steps
+    gated = GatedPolicy(golden_policy)
+    batcher = Batcher(gated, max_batch_size=8)
+    requests = [{"obs": observation(0), "seed": 0}, {"obs": observation(1), "seed": 1, "num_steps": default},
+                {"obs": observation(2), "seed": 2}]
+    try:
+        results = asyncio.run(_submit_while_gated(batcher, gated, requests))
+    finally:
+        batcher.close()
+    assert gated.batches == [(["task 0"], default), (["task 1", "task 2"], default)]
+    assert [r.timings["batch_size"] for r in results] == [1, 2, 2]
+
+
 def test_only_clients_due_back_are_waited_for():
     """A client that came back 1 ms after each reply is expected again right after its next reply;
     one that is long overdue (idle, or gone) is not."""
-    from vlaserve.runtime.batcher import COMPANY_WAIT_S, ReturningClients
+    from vlaserve.batcher import COMPANY_WAIT_S, ReturningClients
 
     clients = ReturningClients()
     clients.answered(["robot"], 0.0)
@@ -244,7 +260,7 @@ def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap
     batcher = Batcher(device, max_batch_size=8, overlap=overlap)
 
     def request(seed: int) -> Request:
-        return Request(Observation({}, np.zeros(14, np.float32), f"task {seed}"), seed=seed)
+        return Request(Observation({}, np.zeros(14, np.float32), f"task {seed}"), num_steps=10, seed=seed)
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -289,7 +305,8 @@ def test_a_batch_that_fails_on_the_device_fails_only_its_bad_request():
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        requests = [Request(Observation({}, np.zeros(14, np.float32), f"task {s}"), seed=s) for s in (1, 13, 2, 3)]
+        requests = [Request(Observation({}, np.zeros(14, np.float32), f"task {s}"), num_steps=10, seed=s)
+                    for s in (1, 13, 2, 3)]
         first = asyncio.ensure_future(batcher.submit(requests[0]))
         assert await loop.run_in_executor(None, device.launched, 1)
         rest = [asyncio.ensure_future(batcher.submit(r)) for r in requests[1:]]

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from vlaserve.cli import UsageError, build_parser, serve_options
+from vlaserve.cli import build_parser
+from vlaserve.options import UsageError, serve_options
 
 
 def options(argv: list[str]) -> dict:

@@ -19,9 +19,9 @@ pytest.importorskip("triton")
 SCRIPT = r'''
 import json, sys
 import torch
-from vlaserve.checkpoint.weights import random_model
+from vlaserve.demo import random_model
 from vlaserve.config import GemmaDims, ModelConfig, VisionDims
-from vlaserve.model.pi05 import RTCGuidance
+from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.fast import kernels
 from vlaserve.runtime.fast.model import FastPi05, StaticRTC
 

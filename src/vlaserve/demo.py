@@ -3,6 +3,10 @@
 The demo produces meaningless actions: it exists to exercise the whole serving path (formats,
 protocols, batching) on any machine. It is written in the LeRobot checkpoint layout of its family
 (`vlaserve serve --demo pi0` for Pi0), so it loads through exactly the same code as a real checkpoint.
+
+The random-model helpers (random weights in the LeRobot layout, a random model on any device) build
+benchmark models too. torch and the model are imported by the functions that use them, so that the
+command line can read DEMO_NAMES without loading torch.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint.files import resolve_checkpoint
+
 DEMO_NAMES = {"pi05": "demo-pi05-v1", "pi0": "demo-pi0-v1"}
 DEMO_NAME = DEMO_NAMES["pi05"]  # the default demo
+# Checkpoint ids that name a demo (Policy.from_pretrained("demo-pi0"), `vlaserve serve demo-pi0`) -> its family.
+DEMO_IDS = {"demo": "pi05", "demo-pi05": "pi05", "demo-pi0": "pi0"}
 DEMO_SEED = 20261201
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 STATE_DIM = ACTION_DIM = 14
@@ -58,13 +66,18 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, policy_type: str
     return target
 
 
+def find_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """A local directory; else a demo id (DEMO_IDS; built on first use); else a Hugging Face hub id."""
+    if str(path_or_id) in DEMO_IDS and not Path(path_or_id).expanduser().is_dir():
+        return demo_checkpoint(policy_type=DEMO_IDS[str(path_or_id)])
+    return resolve_checkpoint(path_or_id)
+
+
 def write_demo_checkpoint(out: Path, policy_type: str = "pi05") -> None:
     from safetensors.numpy import save_file as save_numpy
     from safetensors.torch import save_file as save_torch
 
-    from .checkpoint.weights import random_lerobot_state_dict
-    from .config import load_policy_config
-    from .family import family_named
+    from .family import family_named, load_policy_config
 
     family = family_named(policy_type)
     architecture = demo_architecture(policy_type)
@@ -97,6 +110,59 @@ def write_demo_checkpoint(out: Path, policy_type: str = "pi05") -> None:
         f"Tiny {family.display} with RANDOM weights, generated offline by `vlaserve.demo`. Its actions mean nothing;\n"
         "it exists to try the server and its protocols without downloading a model.\n"
     )
+
+
+def random_lerobot_state_dict(model, layout, seed: int = 0, std: float = 0.02) -> dict:
+    """Random float32 weights in the LeRobot layout (a checkpoint.weights.WeightLayout) for `model`'s
+    parameters (its shapes only: it may live on the meta device); demo and benchmark checkpoints.
+
+    Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
+    """
+    import torch
+
+    from .checkpoint.weights import EMBED, LM_HEAD
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen) * std
+        if name.endswith("layernorm.weight") and name.startswith("vision."):
+            value = 1.0 + noise
+        else:
+            value = noise
+        out[layout.to_lerobot(name)] = value.contiguous()
+    out["model." + LM_HEAD] = out[layout.to_lerobot(EMBED)].clone()  # tied, as PaliGemma stores it
+    return out
+
+
+def build_model(config):
+    """A Pi0.5 module tree (config: a config.ModelConfig) without storage: shapes only, for
+    estimates and checks at any size."""
+    import torch
+
+    from .model.pi05 import Pi05Model
+
+    with torch.device("meta"):
+        return Pi05Model(config)
+
+
+def random_model(config, dtype, device, seed: int = 0, std: float = 0.02):
+    """A random Pi0.5 (config: a config.ModelConfig) built directly on `device`, under the serving
+    dtype policy (for speed and memory work at full size)."""
+    import torch
+
+    from .checkpoint.weights import apply_dtype_policy
+    from .model.pi05 import Pi05Model
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = Pi05Model(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, std, generator=gen)
+            if name.startswith("vision.") and name.endswith("layernorm.weight"):
+                p.add_(1.0)
+    return apply_dtype_policy(model, dtype).eval().requires_grad_(False)
 
 
 def demo_architecture(policy_type: str = "pi05") -> dict:

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
-from .model.pi05 import RTCGuidance, euler_times, rtc_guidance_weight, sinusoidal_time_embedding
+from .model.flow import euler_times, sinusoidal_time_embedding
+from .model.rtc import RTCGuidance, rtc_guidance_weight
+from .processing.prepare import model_images, to_device
 
 # Bugs move these values by 1e-3 or more (golden README §3); independent float32
 # implementations agree to ~1e-6. 1e-5 sits between the two with margin on both sides.
@@ -86,7 +88,7 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
     delta("state_normalized", np.stack([p.normalized_state for p in prepared]), t["expected.state_normalized"])
     for cam in m["cameras_config_order"]:
         slot = [p.slot_cameras.index(cam) for p in prepared]
-        delta(f"image.{cam}", torch.stack([p.model_images()[s] for p, s in zip(prepared, slot)]),
+        delta(f"image.{cam}", torch.stack([model_images(p)[s] for p, s in zip(prepared, slot)]),
               t[f"expected.image.{cam}"])
         equal(f"image_mask.{cam}", torch.stack([p.image_mask[s] for p, s in zip(prepared, slot)]),
               t[f"expected.image_mask.{cam}"])
@@ -98,7 +100,7 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
     horizon = t["input.noise"].shape[1]
     with torch.no_grad():
         inputs, _, rtc = policy.preprocessor.collate(requests)
-        inputs = inputs.to(device)
+        inputs = to_device(inputs, device)
         embs, pad_mask = model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)
         delta("prefix_embs", embs, t["expected.prefix_embs"])
         equal("prefix_pad_mask", pad_mask, t["expected.prefix_pad_mask"])

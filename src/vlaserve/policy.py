@@ -10,11 +10,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .checkpoint.files import checkpoint_files, resolve_checkpoint
+from .checkpoint.files import checkpoint_files
 from .checkpoint.weights import load_weights, parameter_counts
-from .config import PolicyConfig, RuntimeConfig, load_policy_config
+from .config import PolicyConfig, RuntimeConfig
+from .demo import DEMO_IDS, find_checkpoint
 from .errors import InvalidRequest
-from .family import family_of
+from .family import family_of, load_policy_config
 from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
@@ -39,7 +40,8 @@ class Policy:
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, runtime: RuntimeConfig | None = None, progress: bool = True,
                         **options) -> "Policy":
-        """Loads a LeRobot/OpenPI Pi0.5 or LeRobot Pi0 checkpoint (directory or hub id) as `runtime` says; keyword
+        """Loads a LeRobot/OpenPI Pi0.5 or LeRobot Pi0 checkpoint (a directory, a hub id, or a built-in
+        DEMO: "demo" or "demo-pi05", "demo-pi0"; tiny, random weights) as `runtime` says; keyword
         `options` override its fields (e.g. device="cuda", prefix_cache=16). On CUDA the fast path
         serves unless fast_path=False; `warmup` "blocking" returns once it is ready, "background"
         serves with the eager model until then. Before any weight loads, the memory profile's estimate
@@ -55,7 +57,7 @@ class Policy:
 
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
-        directory = resolve_checkpoint(path_or_id)
+        directory = find_checkpoint(path_or_id)
         config = load_policy_config(directory)
         settings = replace(settings, prompt_buckets=settings.resolved_prompt_buckets(config.max_token_len, device.type))
         family = family_of(config)
@@ -79,7 +81,8 @@ class Policy:
         # happens while the layers are packed into pinned memory, in engine_s: no throughput to report.
         rate = None if load_device.type == "cpu" else weight_bytes / 1e9 / max(stages["weights_s"], 1e-9)
         # A hub snapshot's directory is named after a commit: the hub id names the model better.
-        name = str(path_or_id) if not Path(path_or_id).expanduser().is_dir() else directory.name
+        hub = not Path(path_or_id).expanduser().is_dir() and str(path_or_id) not in DEMO_IDS
+        name = str(path_or_id) if hub else directory.name
         timings = {**stages, "total_s": time.perf_counter() - started, "weights_loader": settings.weights_loader,
                    "weight_bytes": weight_bytes, "weights_gb_per_s": rate}
         return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings)
@@ -116,7 +119,8 @@ class Policy:
         canonical = self.layout.canonical(obs)
         observation = Observation.create(canonical["images"], canonical.get("state"), canonical.get("task"),
                                          canonical.get("images_normalized", False))
-        return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc)
+        return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc,
+                              default_steps=self.config.num_inference_steps)
 
     def prepare(self, request: Request | dict) -> PreparedObservation:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
@@ -144,7 +148,7 @@ class Policy:
     def launch(self, requests: list[Request]) -> "LaunchedBatch":
         """Collates requests of one step count and enqueues them on the device without waiting (the
         batcher's call: it enqueues the next batch while this one runs); `finish()` waits for them."""
-        steps = {r.num_steps or self.config.num_inference_steps for r in requests}
+        steps = {r.num_steps for r in requests}
         if len(steps) != 1:
             raise InvalidRequest("num_steps", "requests of one batch must share the step count")
         started = time.perf_counter()

@@ -18,8 +18,6 @@ import numpy as np
 import torch
 
 from .errors import InvalidObservation, InvalidRequest
-from .processing.encoded import EncodedImage
-from .processing.images import bytes_to_model_range, place_frames
 
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
@@ -63,6 +61,14 @@ def float_array(value, field: str, ndim: int | None = None, max_abs: float | Non
     if max_abs is not None and array.size and np.abs(array).max() > max_abs:
         raise InvalidRequest(field, f"values must lie in [-{max_abs:g}, {max_abs:g}]")
     return array
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """A PNG or JPEG camera frame as sent: bytes (msgpack), or base64 text (a data URL too). It is
+    decoded when the request is prepared (processing.encoded), on a worker thread."""
+
+    data: bytes | str
 
 
 def image_array(value, field: str) -> np.ndarray | EncodedImage:
@@ -166,13 +172,8 @@ class PreparedObservation:
     noise: torch.Tensor  # [H, max_action_dim] float32: given, seeded or drawn
     rtc: "PreparedRtc | None"
     # Camera frames whose resize-with-pad runs on the device (slot, raw [3, H, W]: uint8, or float
-    # in [0, 1]); their slots in `images` hold a placeholder until then (ModelInputs.to).
+    # in [0, 1]); their slots in `images` hold a placeholder until then (processing.prepare.to_device).
     pending: tuple[tuple[int, torch.Tensor], ...] = ()
-
-    def model_images(self) -> torch.Tensor:
-        """[N, 3, S, S] float32 in [-1, 1], pending resizes done here (on the host)."""
-        images = place_frames(self.images, self.pending) if self.pending else self.images
-        return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
 
 
 @dataclass(frozen=True)
@@ -187,21 +188,25 @@ class Request:
     """One observation and how to run it; the unit the batcher queues and the runner serves."""
 
     observation: Observation
+    # Euler steps, resolved when the request is built (the checkpoint's num_inference_steps unless
+    # asked otherwise): the batcher groups requests by it, so an explicit default batches with none.
+    num_steps: int
     noise: np.ndarray | None = None  # float32 [action_horizon, max_action_dim]
     seed: int | None = None  # seeds the noise when none is given
-    num_steps: int | None = None  # None: the checkpoint's num_inference_steps
     rtc: RtcOptions | None = None
     prepared: PreparedObservation | None = None  # set once, by Policy.prepare
     created_at: float = field(default_factory=time.perf_counter)
     client: object = None  # who sent it (a connection), so the batcher can expect the client's next request
 
     @staticmethod
-    def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None) -> "Request":
+    def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None, *,
+               default_steps: int) -> "Request":
+        """`default_steps`: the checkpoint's num_inference_steps, for a request that names none."""
         return Request(
             observation,
+            num_steps=default_steps if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
             noise=None if noise is None else float_array(noise, "noise", ndim=2, max_abs=MAX_NOISE_ABS),
             seed=None if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
-            num_steps=None if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
             rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc))
 
 
@@ -214,7 +219,8 @@ class ModelInputs:
     tokens: torch.Tensor  # [B, L]
     token_mask: torch.Tensor  # [B, L]
     state: torch.Tensor | None = None  # [B, max_state_dim] float32, normalized and zero-padded (Pi0); None: Pi0.5
-    # Raw frames (item, slot, [3, H, W]: uint8, or float in [0, 1]) resized into `images` on the device.
+    # Raw frames (item, slot, [3, H, W]: uint8, or float in [0, 1]) resized into `images` on the device
+    # (processing.prepare.to_device).
     pending: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
     def vision_slots(self) -> int:
@@ -223,18 +229,6 @@ class ModelInputs:
         the device)."""
         present = self.image_masks.any(0).tolist()
         return len(present) - present[::-1].index(True) if any(present) else 0
-
-    def to(self, device) -> "ModelInputs":
-        """Moves to `device`; pending frames are resized there, and uint8 images (kept as bytes by
-        `prepare`) become [-1, 1] floats there."""
-        images = self.images.to(device, non_blocking=True)
-        if self.pending:
-            images = place_frames(images, [((item, slot), frame) for item, slot, frame in self.pending])
-        if images.dtype == torch.uint8:
-            images = bytes_to_model_range(images)
-        state = None if self.state is None else self.state.to(device, non_blocking=True)
-        return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
-                                     (self.image_masks, self.tokens, self.token_mask)), state)
 
 
 @dataclass

@@ -17,10 +17,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ModelConfig
 from ..errors import CheckpointError
 from .files import check_weight_loader, checkpoint_files
-from ..model.pi05 import Pi05Model
 
 _PG = "paligemma_with_expert.paligemma.model."
 _VIS = _PG + "vision_tower.vision_model."
@@ -274,43 +272,3 @@ def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, dev
             bar.update()
     model.load_state_dict(loaded, strict=True, assign=True)
     return model
-
-
-def build_model(config: ModelConfig) -> Pi05Model:
-    """The module tree without storage; weights arrive through `load_weights`."""
-    with torch.device("meta"):
-        return Pi05Model(config)
-
-
-def random_lerobot_state_dict(model: nn.Module, layout: WeightLayout, seed: int = 0,
-                              std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Random float32 weights in the LeRobot layout for `model`'s parameters (its shapes only: it may
-    live on the meta device); demo and benchmark checkpoints.
-
-    Gemma RMSNorm offsets and SigLIP LayerNorm scales are drawn around their identity values.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen) * std
-        if name.endswith("layernorm.weight") and name.startswith("vision."):
-            value = 1.0 + noise
-        else:
-            value = noise
-        out[layout.to_lerobot(name)] = value.contiguous()
-    embed = out["model." + _PG + "language_model.embed_tokens.weight"]
-    out["model." + LM_HEAD] = embed.clone()
-    return out
-
-
-def random_model(config: ModelConfig, dtype: torch.dtype, device, seed: int = 0, std: float = 0.02) -> Pi05Model:
-    """A random model built directly on `device` (for speed and memory work at full size)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        model = Pi05Model(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, std, generator=gen)
-            if name.startswith("vision.") and name.endswith("layernorm.weight"):
-                p.add_(1.0)
-    return apply_dtype_policy(model, dtype).eval().requires_grad_(False)

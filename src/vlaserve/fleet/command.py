@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 
+from ..options import SERVE_OPTIONS, UsageError, add_options, check_can_bind, serve_options
 from .options import RAY_OPTIONS, RayOptionError, check_ray_options
 
 log = logging.getLogger("vlaserve")
@@ -20,8 +21,8 @@ SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 PROXY_OWNED = ("max_connections", "header_timeout_s")
 
 
-def add_parser(commands, serve_options: dict, add_options) -> None:
-    """`vlaserve serve-ray`: every serve option (added by the CLI's `add_options`) plus the Ray keys."""
+def add_parser(commands) -> None:
+    """`vlaserve serve-ray`: every serve option plus the Ray keys."""
     parser = commands.add_parser(
         "serve-ray", argument_default=argparse.SUPPRESS, help="serve replicas on Ray Serve (pip install vlaserve[ray])",
         description="Serve a Pi0.5 checkpoint from N replicas on Ray Serve, with the routes of `vlaserve serve`. "
@@ -29,14 +30,12 @@ def add_parser(commands, serve_options: dict, add_options) -> None:
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                         help="local directory or Hugging Face hub id; none: the built-in DEMO")
     parser.add_argument("--config", metavar="FILE", help="JSON file with serve's options and the Ray keys")
-    add_options(parser, {**serve_options, **RAY_OPTIONS})
+    add_options(parser, {**SERVE_OPTIONS, **RAY_OPTIONS})
     parser.set_defaults(run=serve_ray_command)
 
 
 def fleet_options(cli: dict) -> dict:
-    """cli.serve_options with the Ray keys; raises cli.UsageError."""
-    from ..cli import UsageError, serve_options
-
+    """serve_options with the Ray keys; raises UsageError."""
     options = serve_options(cli, extra={name: spec[1] for name, spec in RAY_OPTIONS.items()})
     try:
         check_ray_options(options)
@@ -46,8 +45,6 @@ def fleet_options(cli: dict) -> dict:
 
 
 def serve_ray_command(cli: dict) -> int:
-    from ..cli import UsageError, check_can_bind
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = fleet_options(cli)

@@ -4,11 +4,11 @@ as `vlaserve serve` (server.app.create_app), so routes, errors and metrics are t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 from ray import serve
 
+from ..options import build_service
 from .labels import ReplicaLabels
 
 log = logging.getLogger("vlaserve.fleet")
@@ -32,21 +32,11 @@ def shutdown_started() -> bool:
 @serve.ingress()
 class VlaserveReplica:
     async def __init__(self, options: dict, direct_websockets: bool = False):
-        from .. import Policy
-        from ..demo import demo_checkpoint
-        from ..processing.layouts import check_camera_aliases
-        from ..server import ServerSettings
-
         logging.getLogger("vlaserve").setLevel(logging.INFO)
         # Ready means ready: the constructor returns (and Ray routes to this replica) only once the
         # CUDA graphs are captured, whatever `warmup` the config file asks `vlaserve serve` for.
-        runtime = dataclasses.replace(options["runtime"], warmup="blocking")
-        checkpoint = options["checkpoint"] or demo_checkpoint()
-        self.policy = await asyncio.to_thread(Policy.from_pretrained, checkpoint, runtime, progress=False)
-        if options["served_model_name"] is not None:
-            self.policy.name = options["served_model_name"]
-        self.settings = ServerSettings.from_options(options, runtime)
-        check_camera_aliases(self.settings.camera_aliases, self.policy.config.cameras)
+        self.policy, self.settings = await asyncio.to_thread(build_service, options, progress=False,
+                                                             warmup="blocking")
         self.drain_timeout_s = options["drain_timeout_s"]
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.service = None
@@ -106,7 +96,7 @@ class VlaserveReplica:
 
 
 def build(options: dict, name: str | None = None):
-    """The bound application for serve.run (options: cli.serve_options with the Ray keys)."""
+    """The bound application for serve.run (options: options.serve_options with the Ray keys)."""
     from .options import RAY_OPTIONS, deployment_options
 
     # The replicas get only serve's options: a change of a Ray key (scale, autoscaling) then leaves

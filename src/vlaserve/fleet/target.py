@@ -4,11 +4,12 @@ cluster's business there)."""
 
 from __future__ import annotations
 
+from ..options import UsageError
+from .command import fleet_options
+
 
 def app(args: dict):
-    from ..cli import UsageError
-    from .command import fleet_options
-    from .replica import build
+    from .replica import build  # imports Ray
 
     cli = {"config": args["config"]} if "config" in args else {}
     try:

@@ -1,4 +1,5 @@
-"""Pi0: Pi0.5's SigLIP + Gemma-2B prefix and Euler loop, with a plain Gemma-300M expert.
+"""Pi0: the SigLIP + Gemma-2B prefix and Euler loop both families share (model/flow.py), with a plain
+Gemma-300M expert.
 
 Where Pi0 differs from Pi0.5:
 - the normalized state enters as one expert token, `state_proj(state)`, not through the prompt;
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .flow import PaliGemmaFlowModel, PrefixContext, sinusoidal_time_embedding
 from .gemma import GemmaActionExpert, attention_bias
-from .pi05 import PaliGemmaFlowModel, PrefixContext, RTCGuidance, sinusoidal_time_embedding
+from .rtc import RTCGuidance
 
 
 class Pi0Model(PaliGemmaFlowModel):

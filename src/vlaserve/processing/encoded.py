@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import binascii
 import io
-from dataclasses import dataclass
-
 import numpy as np
 from PIL import Image
 
 from ..errors import InvalidObservation
+from ..types import EncodedImage
 from .images import MAX_IMAGE_SIDE
 
 SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG"}
@@ -31,40 +30,34 @@ DATA_URL_TYPES = ("image/png", "image/jpeg", "image/jpg")
 CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "L", "LA", "P", "PA", "1"})
 
 
-@dataclass(frozen=True)
-class EncodedImage:
-    """A PNG or JPEG as sent: bytes, or base64 text (a data URL too)."""
-
-    data: bytes | str
-
-    def decode(self, field: str) -> np.ndarray:
-        """HxWx3 uint8, after checking the header: a PNG or JPEG, of at most MAX_IMAGE_SIDE pixels a
-        side, in a colour mode that becomes RGB."""
-        data = _from_text(self.data, field) if isinstance(self.data, str) else self.data
-        kind = next((kind for magic, kind in SIGNATURES.items() if data.startswith(magic)), None)
-        if kind is None:
-            raise InvalidObservation(field, f"bytes are not a PNG or JPEG image (they start with {data[:8]!r}); "
-                                            "send a PNG, a JPEG or an array of pixels")
+def decode_image(image: EncodedImage, field: str) -> np.ndarray:
+    """HxWx3 uint8, after checking the header: a PNG or JPEG, of at most MAX_IMAGE_SIDE pixels a
+    side, in a colour mode that becomes RGB."""
+    data = _from_text(image.data, field) if isinstance(image.data, str) else image.data
+    kind = next((kind for magic, kind in SIGNATURES.items() if data.startswith(magic)), None)
+    if kind is None:
+        raise InvalidObservation(field, f"bytes are not a PNG or JPEG image (they start with {data[:8]!r}); "
+                                        "send a PNG, a JPEG or an array of pixels")
+    try:
+        opened = Image.open(io.BytesIO(data), formats=[kind])  # reads the header only
+    except Image.DecompressionBombError:  # Pillow's own limit, far past ours
+        raise InvalidObservation(field, f"the {kind} header declares an image far larger than {MAX_IMAGE_SIDE}x"
+                                        f"{MAX_IMAGE_SIDE} pixels; refused before decoding") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise InvalidObservation(field, f"not a readable {kind}: {e}") from None
+    with opened:
+        (width, height), mode = opened.size, opened.mode
+        if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
+            raise InvalidObservation(field, f"the {kind} is {width}x{height} pixels; sides must be 1 to "
+                                            f"{MAX_IMAGE_SIDE} pixels (refused before decoding)")
+        if mode not in CONVERTIBLE_MODES:
+            raise InvalidObservation(field, f"a {kind} in colour mode {mode!r}; send 8-bit RGB, RGBA, "
+                                            "greyscale or palette images")
         try:
-            image = Image.open(io.BytesIO(data), formats=[kind])  # reads the header only
-        except Image.DecompressionBombError:  # Pillow's own limit, far past ours
-            raise InvalidObservation(field, f"the {kind} header declares an image far larger than {MAX_IMAGE_SIDE}x"
-                                            f"{MAX_IMAGE_SIDE} pixels; refused before decoding") from None
-        except (OSError, ValueError, SyntaxError) as e:
-            raise InvalidObservation(field, f"not a readable {kind}: {e}") from None
-        with image:
-            (width, height), mode = image.size, image.mode
-            if max(width, height) > MAX_IMAGE_SIDE or min(width, height) < 1:
-                raise InvalidObservation(field, f"the {kind} is {width}x{height} pixels; sides must be 1 to "
-                                                f"{MAX_IMAGE_SIDE} pixels (refused before decoding)")
-            if mode not in CONVERTIBLE_MODES:
-                raise InvalidObservation(field, f"a {kind} in colour mode {mode!r}; send 8-bit RGB, RGBA, "
-                                                "greyscale or palette images")
-            try:
-                image.load()
-                return np.asarray(image if mode == "RGB" else image.convert("RGB"))
-            except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt after a valid header
-                raise InvalidObservation(field, f"a broken {kind}: {e}") from None
+            opened.load()
+            return np.asarray(opened if mode == "RGB" else opened.convert("RGB"))
+        except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt after a valid header
+            raise InvalidObservation(field, f"a broken {kind}: {e}") from None
 
 
 def _from_text(text: str, field: str) -> bytes:

@@ -126,10 +126,3 @@ def find_openpi_norm_stats(checkpoint_dir: Path) -> Path | None:
         raise CheckpointError(f"{checkpoint_dir} holds several norm_stats.json files ({[str(c) for c in candidates]}); "
                               "keep the one for your robot")
     return candidates[0] if candidates else None
-
-
-def load_normalization(checkpoint_dir: Path) -> Normalization:
-    """The state and action normalization a checkpoint's processor files (or norm_stats.json) define."""
-    from .pipeline import ProcessorPipeline  # the pipeline parses LeRobot's processor files
-
-    return ProcessorPipeline.load(checkpoint_dir).normalization

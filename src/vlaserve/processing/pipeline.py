@@ -20,7 +20,6 @@ action space) live in OpenPI's training config, not in the checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from ..config import PolicyConfig, load_policy_config
+from ..config import PolicyConfig
 from ..errors import CheckpointError
+from ..family import load_policy_config
 from .normalize import MODES, Normalization, Normalizer, find_openpi_norm_stats, load_openpi_normalization
+from .steps import POSTPROCESSOR, PREPROCESSOR, Step, read_steps
 
 log = logging.getLogger(__name__)
 
-PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor.json", "policy_postprocessor.json"
 STATE, ACTION = "observation.state", "action"
 
 # Each pipeline's steps in the reference's order, per policy family (config.json's type), with the
@@ -76,19 +76,6 @@ FIXED_SETTINGS = {
                             "truncation": True},
 }
 FLOAT32_NAMES = (None, "float32")  # device_processor's float_dtype: anything else casts images and state
-
-
-@dataclass(frozen=True)
-class Step:
-    file: str
-    index: int
-    name: str
-    config: dict
-    state_file: str | None
-
-    def refuse(self, why: str) -> CheckpointError:
-        return CheckpointError(f"{self.file} step {self.index} ({self.name}, settings {json.dumps(self.config)}): "
-                               f"{why}")
 
 
 @dataclass(frozen=True)
@@ -155,34 +142,6 @@ class ProcessorPipeline:
             raise CheckpointError(f"{checkpoint_dir} has no normalization statistics "
                                   f"({PREPROCESSOR} + {POSTPROCESSOR}, or assets/*/norm_stats.json)")
         return ProcessorPipeline(load_openpi_normalization(norm_stats))
-
-
-def read_steps(checkpoint_dir: Path, file: str) -> list[Step]:
-    path = checkpoint_dir / file
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing (LeRobot checkpoints carry both processor files)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    steps = []
-    for i, entry in enumerate(data.get("steps", [])):
-        name = entry.get("registry_name")
-        if name is None:  # saved by class path: only registered steps are implemented here
-            raise CheckpointError(f"{file} step {i} names the class {entry.get('class')!r} instead of a "
-                                  "registry_name; vlaserve implements only LeRobot's registered pi05 and pi0 steps")
-        steps.append(Step(file, i, name, entry.get("config") or {}, entry.get("state_file")))
-    return steps
-
-
-def tokenizer_name_of(checkpoint_dir: Path) -> str | None:
-    """The hub id the checkpoint's tokenizer step names (LeRobot checkpoints ship no tokenizer)."""
-    if not (Path(checkpoint_dir) / PREPROCESSOR).exists():
-        return None
-    for step in read_steps(Path(checkpoint_dir), PREPROCESSOR):
-        if step.name == "tokenizer_processor":
-            return step.config.get("tokenizer_name")
-    return None
 
 
 def _check_steps(steps: list[Step], file: str, known: dict[str, set], required: tuple[str, ...],
@@ -296,3 +255,8 @@ def _relative_actions(pre: dict[str, Step], post: dict[str, Step], config: Polic
                               "adds state dim i to action dim i")
     return RelativeActions(RelativeActions.build_mask(config.action_dim, relative.config.get("exclude_joints"),
                                                       relative.config.get("action_names")))
+
+
+def load_normalization(checkpoint_dir: Path) -> Normalization:
+    """The state and action normalization a checkpoint's processor files (or norm_stats.json) define."""
+    return ProcessorPipeline.load(checkpoint_dir).normalization

@@ -14,10 +14,10 @@ import torch
 
 from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
-from ..model.pi05 import RTCGuidance, rtc_prefix_weights
-from ..types import ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
-from .encoded import EncodedImage
-from .images import bytes_to_model_range, empty_image, prepare_image
+from ..model.rtc import RTCGuidance, rtc_prefix_weights
+from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
+from .encoded import decode_image
+from .images import bytes_to_model_range, empty_image, place_frames, prepare_image
 from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer
 
@@ -131,7 +131,7 @@ class Preprocessor:
         prepared = [self.prepare(r) for r in requests]
         images = [p.images for p in prepared]
         if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
-            images = [p.model_images() for p in prepared]  # (pending frames finished here, on the host)
+            images = [model_images(p) for p in prepared]  # (pending frames finished here, on the host)
             pending = ()
         else:
             pending = tuple((i, slot, frame) for i, p in enumerate(prepared) for slot, frame in p.pending)
@@ -170,7 +170,26 @@ class Preprocessor:
 
 def _pixels(image, field: str):
     """A PNG or JPEG is decoded here, on the thread that prepares the request (the server's workers)."""
-    return image.decode(field) if isinstance(image, EncodedImage) else image
+    return decode_image(image, field) if isinstance(image, EncodedImage) else image
+
+
+def model_images(prepared: PreparedObservation) -> torch.Tensor:
+    """[N, 3, S, S] float32 in [-1, 1], pending resizes done here (on the host)."""
+    images = place_frames(prepared.images, prepared.pending) if prepared.pending else prepared.images
+    return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
+
+
+def to_device(inputs: ModelInputs, device) -> ModelInputs:
+    """The batch moved to `device` (Runtime.launch's call); pending frames are resized there, and
+    uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
+    images = inputs.images.to(device, non_blocking=True)
+    if inputs.pending:
+        images = place_frames(images, [((item, slot), frame) for item, slot, frame in inputs.pending])
+    if images.dtype == torch.uint8:
+        images = bytes_to_model_range(images)
+    state = None if inputs.state is None else inputs.state.to(device, non_blocking=True)
+    return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
+                                 (inputs.image_masks, inputs.tokens, inputs.token_mask)), state)
 
 
 def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:

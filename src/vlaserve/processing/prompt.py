@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from .steps import tokenizer_name_of
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,6 @@ def find_tokenizer(checkpoint_dir: Path, explicit: str | Path | None = None, hub
         if candidate.exists():
             return candidate
     if hub_name is None:
-        from .pipeline import tokenizer_name_of
-
         hub_name = tokenizer_name_of(checkpoint_dir)
     if hub_name:
         return fetch_tokenizer(hub_name)

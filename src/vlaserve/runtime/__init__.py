@@ -1,1 +1,1 @@
-"""Everything stateful on the device: runners, caches, memory planning, batching."""
+"""Everything stateful on the device: runners, caches, memory planning."""

@@ -148,7 +148,7 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
                     for stack in STREAMED_PREFIXES)
 
     graphs = fast_path  # under offload, too: only the prefix runs outside graphs there
-    batch = min(batch_size, profile.max_graph_batch or batch_size)
+    batch = profile.batch_limit(batch_size)
     itemsize = dtype.itemsize
     # The graph engine keeps buffers for every batch size it captured; eager code only the current call's.
     buffer_items = sum(graph_batch_sizes(graph_batches, batch)) if graphs else batch
@@ -222,7 +222,7 @@ def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torc
               else cuda_budget(device))
     shapes = checkpoint_shapes(checkpoint_dir, layout_for(config.policy_type))
     needed = check_fit(shapes, config, dtype, settings.profile, settings.max_batch_size,
-                       budget, settings.fast_path and device.type == "cuda", settings.graph_batches)
+                       budget, settings.runs_fast_path(device.type), settings.graph_batches)
     log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", settings.memory_profile,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
     check_host_fit(needed, available_memory_bytes())

@@ -7,7 +7,7 @@ background warm-up hands over to the fast one), the prefix cache both share, and
 
 `Runtime.launch` only enqueues a batch (inputs in, graphs, actions back into host memory, all in
 stream order) and returns at once; `Launched.wait` blocks until that batch is done. So the host can
-prepare and enqueue batch k+1 while the device still runs batch k (runtime/batcher.py does).
+prepare and enqueue batch k+1 while the device still runs batch k (vlaserve/batcher.py does).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import torch
 
 from ..config import PolicyConfig, RuntimeConfig, prompt_lengths
 from ..errors import ConfigError
-from ..model.pi05 import Pi05Model, PrefixContext, RTCGuidance
+from ..model.flow import PrefixContext
+from ..model.pi05 import Pi05Model
+from ..model.rtc import RTCGuidance
+from ..processing.prepare import to_device
 from ..types import ModelInputs
 from .device import synchronize
 from .memory import estimate_memory
@@ -154,7 +157,7 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        if runtime.fast_path and device.type == "cuda":
+        if runtime.runs_fast_path(device.type):
             self._start_fast_path(model, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
@@ -164,9 +167,8 @@ class Runtime:
     def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
         from .fast.graphs import FastRunner
 
-        fast = FastRunner(model, self.config, max_graph_batch=self.settings.profile.max_graph_batch,
-                          device_lock=self.device_lock, layer_stream=self.offload, gemm_library=self.settings.gemm_library,
-                          attention_library=self.settings.attention_library)
+        fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
+                          gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library)
         if not background:
             self._warm_up(fast)
             self.runner, self.fast_path = fast, True
@@ -225,7 +227,7 @@ class Runtime:
             # non_blocking: a plain copy would wait for the batch the device is still running.
             if rtc is not None:
                 rtc = RTCGuidance(*(t.to(self.device, non_blocking=True) for t in (rtc.prev, rtc.weights, rtc.max_weight)))
-            inputs, noise = inputs.to(self.device), noise.to(self.device, non_blocking=True)
+            inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
             actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots)
             if cache is not None and not hit:

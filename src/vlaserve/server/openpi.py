@@ -39,7 +39,8 @@ def request_from_openpi(raw, service: Service) -> Request:
             raise invalid("task", "missing: send the instruction as 'prompt' or 'task'")
         observation = Observation.create(canonical["images"], canonical["state"], canonical["task"],
                                          canonical.get("images_normalized", False))
-        return Request.create(observation, noise=canonical.get("noise"))
+        return Request.create(observation, noise=canonical.get("noise"),
+                              default_steps=service.identity["num_inference_steps"])
     except InvalidInput as e:
         raise api_error(e) from None
 

@@ -112,7 +112,7 @@ class Generation:
 
 
 def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: bool) -> Generation:
-    """`identity`: the served model's name and checkpoint; `layout`: the server's key table."""
+    """`identity`: the served model's name, checkpoint and default step count; `layout`: the server's key table."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be an object")
     try:
@@ -137,7 +137,8 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
                                          inp.task if inp.task is not None else inp.prompt, obs_in.images_normalized)
         rtc = None if parsed.rtc is None else RtcOptions.create(parsed.rtc.model_dump())
         request = Request.create(observation, obs_in.noise, parsed.parameters.seed,
-                                 parsed.parameters.num_inference_steps, rtc)
+                                 parsed.parameters.num_inference_steps, rtc,
+                                 default_steps=identity["num_inference_steps"])
     except InvalidInput as e:
         raise api_error(e, in_request_body=True) from None
     return Generation(request, runtime.return_timing, output_format, runtime.response_format)

@@ -10,10 +10,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from ..batcher import Batcher, BatcherClosed
 from ..errors import InvalidInput, NonFiniteActions
 from ..processing.images import MAX_IMAGE_SIDE
 from ..processing.layouts import KeyLayout, camera_aliases
-from ..runtime.batcher import Batcher, BatcherClosed
 from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
 from .codec import MAX_NESTING_DEPTH
 from .metrics import Metrics
@@ -34,7 +34,6 @@ ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime",
 class ServerSettings:
     api_key: str | None = None
     max_payload_bytes: int = 64 * 2**20
-    max_batch_size: int = 8
     batch_delay_ms: float = 0.0
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
     body_timeout_s: float = 60.0
@@ -44,14 +43,15 @@ class ServerSettings:
     worker_threads: int = 4
     decode_processes: int = 1
     max_pending: int = 64
-    # Enqueue the next batch on the device while this one runs (runtime/batcher.py); False: one at a time.
+    # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
     overlap: bool = True
 
     @classmethod
-    def from_options(cls, options: Mapping, runtime) -> "ServerSettings":
-        """What `vlaserve serve` and each `serve-ray` replica build from the same options (cli.serve_options)."""
+    def from_options(cls, options: Mapping) -> "ServerSettings":
+        """What `vlaserve serve` and each `serve-ray` replica build from the same options
+        (options.serve_options). The batch size limit is the policy's (RuntimeConfig.batch_limit)."""
         return cls(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
-                   max_batch_size=runtime.batch_limit, batch_delay_ms=options["batch_delay_ms"],
+                   batch_delay_ms=options["batch_delay_ms"],
                    camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
                    allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
                    overlap=not options["serial_batches"])
@@ -72,9 +72,11 @@ class Service:
         self.settings = settings
         # What the hot path reads, fixed at startup (the live metadata is built per metadata request).
         m = policy.metadata
-        self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"]}
+        self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"],
+                         "num_inference_steps": m["num_inference_steps"]}
         self.layout = KeyLayout(tuple(m["cameras"]), settings.camera_aliases, m["rename_map"])
-        self.metrics = Metrics(settings.max_batch_size)
+        self.batch_limit = policy.runtime.settings.batch_limit  # RuntimeConfig owns it: graphs and memory use it too
+        self.metrics = Metrics(self.batch_limit)
         self.metrics.watch_runtime(policy.runtime.stats)
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
@@ -87,7 +89,7 @@ class Service:
         self.policy.runtime.limit_host_threads()
         self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
         self.workers.start()
-        self.batcher = Batcher(self.policy, self.settings.max_batch_size, self.settings.batch_delay_ms,
+        self.batcher = Batcher(self.policy, self.batch_limit, self.settings.batch_delay_ms,
                                on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap)
 
     def stop(self) -> None:
@@ -140,7 +142,7 @@ class Service:
             "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
                          "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
-                       "max_batch_size": self.settings.max_batch_size, "batch_delay_ms": self.settings.batch_delay_ms,
+                       "max_batch_size": self.batch_limit, "batch_delay_ms": self.settings.batch_delay_ms,
                        "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
                        "max_nesting_depth": MAX_NESTING_DEPTH, "max_noise_abs": MAX_NOISE_ABS,
                        "max_guidance_weight": MAX_GUIDANCE_WEIGHT, "max_rtc_abs": MAX_RTC_ABS,

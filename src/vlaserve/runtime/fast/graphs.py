@@ -3,9 +3,10 @@ them), one graph for the prefix (per batch size, prompt length and vision slots)
 Euler steps (per batch size, prompt length, step count and RTC on/off), replayed back to back with
 events between them.
 
-`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (or run: larger batches than
-the profile's graph cap, and the offload profile's prefix, run the same kernels without a graph),
-and return without waiting; `sample` also waits, and copies the actions out.
+`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (or run: a batch size `warmup`
+did not capture, and the offload profile's prefix, run the same kernels without a graph), and
+return without waiting; `sample` also waits, and copies the actions out. Which sizes are captured
+is the caller's (RuntimeConfig.graph_sizes, up to its batch limit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ...config import PolicyConfig
-from ...model.pi05 import Pi05Model, RTCGuidance
+from ...model.pi05 import Pi05Model
+from ...model.rtc import RTCGuidance
 from ...types import ModelInputs
 from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
@@ -65,7 +67,7 @@ class FastRunner:
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
-                 max_graph_batch: int | None = None, device_lock=None, layer_stream=None, gemm_library: str = "cublas",
+                 device_lock=None, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton"):
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library)
@@ -73,7 +75,6 @@ class FastRunner:
         self.model, self.config = model, config
         self.device = model.action_in_proj.weight.device
         self.use_graphs = use_graphs
-        self.max_graph_batch = max_graph_batch  # larger batches run the same kernels without graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
         self._device_lock = device_lock if device_lock is not None else threading.RLock()
@@ -176,7 +177,6 @@ class FastRunner:
             out, times = self.launch(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
             return out[:b], times
         buf = self.buffers(b, token_len)
-        graphs = self.use_graphs and (self.max_graph_batch is None or b <= self.max_graph_batch)
         if vision_slots is None:
             vision_slots = inputs.vision_slots()
         if prefix is None:
@@ -196,9 +196,9 @@ class FastRunner:
                 buf["pad"].copy_(self.fast.state_token(buf["state"], buf["pad"][:, :plen], buf["k_cache"],
                                                        buf["v_cache"]))
         else:
-            self._prefix(buf, vision_slots, graphs)
+            self._prefix(buf, vision_slots, self.use_graphs)
         mid.record()
-        out = self._denoise(buf, num_steps, static_rtc, graphs)
+        out = self._denoise(buf, num_steps, static_rtc, self.use_graphs)
         end.record()
         self._last = buf
         return out, EventTimes(start, mid, end)

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
-from ...model.pi05 import Pi05Model, RTCGuidance, euler_times, rtc_guidance_weight
+from ...model.flow import euler_times
+from ...model.pi05 import Pi05Model
+from ...model.rtc import RTCGuidance, rtc_guidance_weight
 from ...errors import ConfigError
 from . import cute, flash, kernels
 from .weights import FusedWeights

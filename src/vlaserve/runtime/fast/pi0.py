@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model.pi0 import Pi0Model
-from ...model.pi05 import PrefixContext, euler_times
+from ...model.flow import PrefixContext, euler_times
 from .model import FastPi05
 
 

@@ -1,5 +1,9 @@
 """Dynamic batching in front of a Policy: Requests in, InferenceResults out.
 
+The batcher is the layer above the policy: it decides which requests run together and calls
+`Policy.launch` on each batch; the policy knows nothing of it (the server, or a caller that wants
+batching, creates one over a policy).
+
 Two threads own the policy (and so the device); asyncio handlers only enqueue and await. The
 launch thread forms batches and enqueues them on the device; the completion thread waits for each,
 post-processes it and hands its results back. Continuous batching: when the device is idle a request
@@ -24,8 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InvalidInput, NonFiniteActions
-from ..types import Request
+from .errors import InvalidInput, NonFiniteActions
+from .policy import Policy
+from .types import Request
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ class _Pending:
     enqueued_at: float = field(default_factory=time.perf_counter)
 
     @property
-    def num_steps(self) -> int | None:
+    def num_steps(self) -> int:
         return self.request.num_steps
 
 
@@ -145,7 +150,7 @@ class DeviceClock:
 
 
 class Batcher:
-    def __init__(self, policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
+    def __init__(self, policy: Policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
                  on_batch: Callable[[int], None] | None = None, overlap: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
