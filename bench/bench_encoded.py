@@ -11,15 +11,13 @@ own function, as a request takes it; raw frames cost neither). Times are medians
 calls on this CPU, one thread. Frames are a synthetic scene (shaded background, objects, sensor noise)
 unless `--image` gives a photo; JPEG sizes depend on the content.
 
-Prints a table; writes bench_encoded.json and .png (bench_encoded_smoke.* with --smoke, which runs 3
-repetitions and finishes in seconds) under bench/results/ and --out.
+Prints a table; writes bench_encoded.json and .png to --out (default bench/results/); --smoke runs 3
+repetitions and finishes in seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import statistics
 import sys
 import time
@@ -29,9 +27,9 @@ import msgpack
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import log, parser, pyplot, save_json, save_png  # noqa: E402
 from vlaserve.processing.encoded import decode_image  # noqa: E402
 from vlaserve.types import EncodedImage  # noqa: E402
 
@@ -126,15 +124,8 @@ def print_table(results: dict) -> None:
                   f"{row['server_decode_ms']:7.2f} {totals}   {saved}")
 
 
-def plot(results: dict, dirs: list[Path], stem: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG")
-        return
+def plot(results: dict):
+    plt = pyplot()
     rates = results["rates_mbit_s"]
     fig, axes = plt.subplots(1, len(results["sizes"]), figsize=(6 * len(results["sizes"]), 4.2), squeeze=False)
     for ax, (size, rows) in zip(axes[0], results["sizes"].items()):
@@ -145,18 +136,15 @@ def plot(results: dict, dirs: list[Path], stem: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    for d in dirs:
-        fig.savefig(d / f"{stem}.png", dpi=110, bbox_inches="tight")
+    return fig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--cameras", type=int, default=3)
     ap.add_argument("--rates", default="10,50,100,1000", help="link rates in Mbit/s, comma-separated")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median)")
     ap.add_argument("--image", type=Path, help="a photo to use as every camera's frame (resized)")
-    ap.add_argument("--smoke", action="store_true", help="3 repetitions: a check that runs in seconds")
-    ap.add_argument("--out", type=Path, help="also write the results here")
     args = ap.parse_args()
     reps = 3 if args.smoke else args.reps
     rates = [float(r) for r in args.rates.split(",")]
@@ -164,13 +152,7 @@ def main() -> None:
                "content": str(args.image) if args.image else "synthetic scene", "pillow": Image.__version__,
                "sizes": {f"{h}x{w}": measure((h, w), args.cameras, rates, reps, args.image) for h, w in SIZES}}
     print_table(results)
-    stem = "bench_encoded_smoke" if args.smoke else "bench_encoded"
-    dirs = [d for d in (ROOT / "bench" / "results", args.out) if d is not None]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    plot(results, dirs, stem)
-    print(f"\nwrote {stem}.json/.png to {', '.join(str(d) for d in dirs)}")
+    log(f"wrote {save_json(results, args.out, 'bench_encoded')} and {save_png(plot(results), args.out, 'bench_encoded')}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ import torch
 from common import (CAMERA_NAMES, STEPS, TOKENS, VALID_TOKENS, aloha_config, evict_from_page_cache,
                     golden_checkpoint, log, make_inputs, model_config, parser, pyplot, random_model, sample,
                     save_json, save_png, server_env, time_ms, write_checkpoint)
-from vlaserve.checkpoint.weights import build_model, load_weights
+from vlaserve.checkpoint.weights import load_weights
+from vlaserve.demo import build_model
 from vlaserve.config import PROFILES, PolicyConfig, RuntimeConfig
 from vlaserve.errors import InsufficientMemory
 from vlaserve.runtime.memory import GIB, check_fit, cuda_budget
@@ -123,9 +124,9 @@ def profile_runs(profile, cap_gib: float, batches: list[int], iters: int) -> dic
     policy = make_policy(profile)
     release()
     torch.cuda.set_per_process_memory_fraction(fraction)
-    chunk = profile.max_graph_batch or max(batches)
+    chunk = profile.batch_limit(max(batches))
     for b in fitting:
-        # Like the server under this profile: a batch above max_graph_batch runs as several batches.
+        # Like the server under this profile: a batch above its batch limit runs as several batches.
         parts = [make_inputs(min(chunk, b - start), config.model.vlm.vocab_size, seed=start)
                  for start in range(0, b, chunk)]
         call = functools.partial(run_parts, policy, parts)

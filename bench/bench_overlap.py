@@ -27,7 +27,7 @@ import numpy as np
 
 from common import bench_checkpoint, log, parser, robot_observation, save_json
 from vlaserve import Policy
-from vlaserve.runtime.batcher import Batcher
+from vlaserve.batcher import Batcher
 
 
 def requests_for(policy: Policy, observations: list[dict]) -> list:

@@ -18,7 +18,8 @@ import torch
 from common import (CAMERA_NAMES, HORIZON, STEPS, golden_checkpoint, lerobot_policy, log, maxdiff, parser,
                     per_item_max, pyplot, random_prefix_inputs, sample, save_json, save_png, time_ms)
 from vlaserve.checkpoint.weights import PI0_LAYOUT
-from vlaserve.config import ModelConfig, PolicyConfig, load_policy_config
+from vlaserve.config import ModelConfig, PolicyConfig
+from vlaserve.family import load_policy_config
 from vlaserve.model.pi0 import Pi0Model
 from vlaserve.runtime.runner import EagerRunner
 from vlaserve.types import ModelInputs

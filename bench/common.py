@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from fixtures import fixture_dir  # noqa: E402  (stdlib only: unpacks tests/data's golden fixtures)
-from vlaserve.checkpoint.weights import random_model, to_lerobot_name  # noqa: E402
-from vlaserve.config import ModelConfig, PolicyConfig, load_policy_config  # noqa: E402
+from vlaserve.checkpoint.weights import to_lerobot_name  # noqa: E402
+from vlaserve.demo import random_model  # noqa: E402
+from vlaserve.config import ModelConfig, PolicyConfig  # noqa: E402
+from vlaserve.family import load_policy_config  # noqa: E402
 from vlaserve.types import ModelInputs  # noqa: E402
 
 CAMERA_NAMES = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")

@@ -124,11 +124,21 @@ def check_bench_ray(out: Path) -> None:
     assert set(r["ray_added_p50_ms"]) == {"metadata", "http_1step", "openpi"}
 
 
+def check_bench_encoded(out: Path) -> None:
+    r = result(out, "bench_encoded", png=True)
+    for size in ("224x224", "480x640"):
+        rows = r["sizes"][size]
+        # A JPEG body is smaller than the raw pixels', and a raw frame costs no encode or decode.
+        assert rows["jpeg_q90"]["body_bytes"] < rows["raw"]["body_bytes"]
+        assert rows["raw"]["client_encode_ms"] == rows["raw"]["server_decode_ms"] == 0.0
+        assert rows["jpeg_q90"]["server_decode_ms"] > 0
+
+
 SMOKE = {
     "bench_gpu": check_bench_gpu, "bench_pi0_gpu": check_bench_pi0_gpu, "bf16_error": check_bf16_error,
     "bench_memory": check_bench_memory, "bench_serve": check_bench_serve, "bench_fleet": check_bench_fleet,
     "bench_rtc": check_bench_rtc, "bench_prepare": check_bench_prepare, "bench_overlap": check_bench_overlap,
-    "bench_ray": check_bench_ray,
+    "bench_ray": check_bench_ray, "bench_encoded": check_bench_encoded,
 }
 SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray"}
 
