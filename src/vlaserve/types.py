@@ -187,6 +187,10 @@ class Request:
     prepared: PreparedObservation | None = None  # set once, by Policy.prepare
     created_at: float = field(default_factory=time.perf_counter)
     client: object = None  # who sent it (a connection), so the batcher can expect the client's next request
+    # Per-request runtime controls: False skips the prefix cache (lookup and store) / graph replay for
+    # this request. True means "when the server has one"; graph-less requests are batched apart.
+    prefix_cache: bool = True
+    cuda_graph: bool = True
 
     @staticmethod
     def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None) -> "Request":
