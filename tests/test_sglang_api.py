@@ -268,6 +268,24 @@ def test_batch_over_the_server_limit_is_split_and_answered_in_order(http, golden
         assert_actions(read_values(envelope, i), expected(golden_policy, obs, noise[i]))
 
 
+def test_a_batch_larger_than_the_prepare_backlog_is_answered_whole(http, golden_policy):
+    """B = 70 > the 64 requests that may be decoded or prepared at once (503 overloaded past it): a
+    batch takes a bounded share of that backlog, so it is never refused for its size."""
+    size = 70
+    rng = np.random.default_rng(70)
+    images = rng.integers(0, 256, (size, 8, 8, 3), dtype=np.uint8)
+    states = rng.normal(size=(size, STATE_DIM)).astype(np.float32)
+    body = {"input": {"task": "stack", "observation": {"images": {"base_0_rgb": images}, "state": states}},
+            "parameters": {"num_inference_steps": 1, "seed": 5}, "runtime": {"response_format": "raw"}}
+    reply = http.post(GENERATIONS, content=msgpack_numpy.packb(body), headers={"Content-Type": MSGPACK})
+    assert reply.status_code == 200, reply.text
+    actions = msgpack_numpy.unpackb(reply.content)["actions"]
+    assert actions.shape == (size, HORIZON, ACTION_DIM)
+    for i in (0, 69):  # item i is seeded with seed + i
+        obs = {"images": {"base_0_rgb": images[i]}, "state": states[i], "task": "stack"}
+        assert_actions(actions[i], golden_policy.infer(obs, seed=5 + i, num_steps=1).actions)
+
+
 def test_batch_raw_reply_is_b_h_d(http, golden_policy):
     observations, noise, body = batch_of(range(30, 34))
     body["runtime"] = {"response_format": "raw"}

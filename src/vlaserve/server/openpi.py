@@ -18,8 +18,8 @@ from fastapi import WebSocket, WebSocketDisconnect
 from ..errors import InvalidInput
 from ..types import Observation, Request
 from .bodies import decode
-from .codec import DecodeError, packb, tensor_object
-from .schema import ApiError, api_error, invalid
+from .codec import packb
+from .schema import ApiError, api_error, invalid, tensor_field
 from .service import Service, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
@@ -27,25 +27,24 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR = 1011
 
 
-# Request options SGLang's OpenPI socket takes beside the observation: key -> (Request field, older
-# names). Noise (`noise`, `observation.noise`) is part of the observation layout.
-OPTION_KEYS = {"num_inference_steps": ("num_steps", ()), "enable_prefix_cache": ("prefix_cache", ("enable_pi_prefix_cache",)),
-               "enable_cuda_graph": ("cuda_graph", ("enable_pi_cuda_graph",))}
+# SGLang's per-request toggles on this socket: Request field -> its key, and the older name.
+TOGGLE_KEYS = {"prefix_cache": ("enable_prefix_cache", "enable_pi_prefix_cache"),
+               "cuda_graph": ("enable_cuda_graph", "enable_pi_cuda_graph")}
 
 
-def _options(raw: dict) -> dict:
-    """Pops SGLang's request options out of an observation dict: {Request field: value}."""
-    options = {}
-    for key, (target, older) in OPTION_KEYS.items():
-        for name in (key, *older):
-            if name in raw:
-                value = raw.pop(name)
-                if target in options:
-                    raise invalid(name, f"given twice (as {key!r} and an older name)")
-                if target != "num_steps" and value != "auto" and not isinstance(value, bool):
-                    raise invalid(name, "must be true, false or \"auto\"")
-                options[target] = value if target == "num_steps" else value is not False
-    return options
+def _toggles(raw: dict) -> dict:
+    """Pops SGLang's toggles out of an observation dict: {Request field: bool} (`"auto"` is True)."""
+    toggles = {}
+    for target, names in TOGGLE_KEYS.items():
+        given = [name for name in names if name in raw]
+        if len(given) > 1:
+            raise invalid(given[1], f"given twice (as {given[0]!r} too)")
+        if given:
+            value = raw.pop(given[0])
+            if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+                raise invalid(given[0], 'must be true, false or "auto"')
+            toggles[target] = value is not False
+    return toggles
 
 
 def request_from_openpi(raw, service: Service) -> Request:
@@ -53,8 +52,11 @@ def request_from_openpi(raw, service: Service) -> Request:
     num_inference_steps, enable_prefix_cache / enable_cuda_graph (or their enable_pi_ names)."""
     if not isinstance(raw, dict):
         raise invalid(None, "an observation must be a map of observation keys to values")
-    raw = {key: _array(value, key) for key, value in raw.items()}
-    options = _options(raw)
+    # Tensor objects (SGLang's JSON form of arrays) as ndarrays, here and one level down (images).
+    raw = {key: {k: tensor_field(v, f"{key}.{k}") for k, v in value.items()}
+           if isinstance(value, dict) and "values" not in value else tensor_field(value, key)
+           for key, value in raw.items()}
+    num_steps, toggles = raw.pop("num_inference_steps", None), _toggles(raw)
     try:
         canonical = service.layout.canonical(raw)
         if "state" not in canonical:
@@ -63,26 +65,12 @@ def request_from_openpi(raw, service: Service) -> Request:
             raise invalid("task", "missing: send the instruction as 'prompt' or 'task'")
         observation = Observation.create(canonical["images"], canonical["state"], canonical["task"],
                                          canonical.get("images_normalized", False))
-        request = Request.create(observation, noise=canonical.get("noise"), num_steps=options.get("num_steps"))
+        request = Request.create(observation, noise=canonical.get("noise"), num_steps=num_steps)
     except InvalidInput as e:
         raise api_error(e) from None
-    request.prefix_cache = options.get("prefix_cache", True)
-    request.cuda_graph = options.get("cuda_graph", True)
+    request.prefix_cache = toggles.get("prefix_cache", True)
+    request.cuda_graph = toggles.get("cuda_graph", True)
     return request
-
-
-def _array(value, field: str):
-    """Tensor objects (SGLang's JSON form of arrays) as ndarrays, here and one level down (images)."""
-    if isinstance(value, dict) and "values" not in value:
-        return {key: _tensor(item, f"{field}.{key}") for key, item in value.items()}
-    return _tensor(value, field)
-
-
-def _tensor(value, field: str):
-    try:
-        return tensor_object(value)
-    except DecodeError as e:
-        raise invalid(field, str(e)) from None
 
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:

@@ -150,9 +150,9 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
     # A JSON reply is always lists (SGLang's rule); msgpack replies default to ndarrays.
     output_format = (runtime.output_format or "numpy") if msgpack_response else "list"
     task = inp.task if inp.task is not None else inp.prompt
-    images = {cam: _array(image, f"input.observation.images.{cam}") for cam, image in obs_in.images.items()}
-    state = _array(obs_in.state, "input.observation.state")
-    noise = _array(obs_in.noise, "input.observation.noise")
+    images = {cam: tensor_field(image, f"input.observation.images.{cam}") for cam, image in obs_in.images.items()}
+    state = tensor_field(obs_in.state, "input.observation.state")
+    noise = tensor_field(obs_in.noise, "input.observation.noise")
     try:
         canonical = layout.canonical({"images": images})["images"]
     except InvalidInput as e:
@@ -180,9 +180,9 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
                       horizon)
 
 
-def _array(value, field: str):
+def tensor_field(value, field: str):
     """A tensor object as an ndarray (SGLang's JSON form of arrays), also in a list of them (a batch's
-    images); anything else unchanged."""
+    images); anything else unchanged. A malformed one is a 422 naming `field`."""
     try:
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             return [tensor_object(v) for v in value]
