@@ -49,8 +49,9 @@ class FakeServer:
     def __init__(self, protocol: str = "realtime", api_key: str | None = None, rtc: bool = True,
                  metadata: dict | None = None, horizon: int = HORIZON):
         self.protocol, self.api_key, self.rtc, self.horizon = protocol, api_key, rtc, horizon
-        self.metadata = {"action_horizon": horizon, "action_dim": ACTION_DIM, "cameras": ["base_0_rgb"],
-                         "state_dim": 3, "num_inference_steps": 10, **(metadata or {})}
+        self.metadata = {"object": "action.metadata", "input": {"image_keys": ["base_0_rgb"], "state_dim": 3},
+                         "output": {"action_horizon": horizon, "action_dim": ACTION_DIM},
+                         "defaults": {"num_inference_steps": 10}, **(metadata or {})}
         self.script: list[Scripted] = []
         self.requests: list[dict] = []  # decoded request frames, in arrival order
         self.headers: list[dict] = []   # handshake headers of each connection

@@ -28,7 +28,7 @@ def server():
 
 def test_infer_sends_a_generation_request_and_returns_the_chunk(server):
     with Client(server.url, **FAST) as client:
-        assert client.metadata()["action_horizon"] == HORIZON
+        assert client.metadata()["output"]["action_horizon"] == HORIZON
         rtc = {"prev_chunk": chunk(9)[:5], "space": "action", "inference_delay": 2, "execution_horizon": 5}
         reply = client.infer(OBS, rtc=rtc, seed=7, num_inference_steps=4)
     np.testing.assert_array_equal(reply.actions, chunk(1))
@@ -97,7 +97,7 @@ def test_connect_retries_with_backoff_until_the_server_is_up():
     starter.start()
     try:
         with Client(server.url, reconnect_timeout=10, **FAST) as client:
-            assert client.metadata()["action_dim"] == ACTION_DIM
+            assert client.metadata()["output"]["action_dim"] == ACTION_DIM
     finally:
         starter.join()
         server.stop()
@@ -146,7 +146,7 @@ def test_async_client(server):
 
     async def run():
         async with AsyncClient(server.url, **FAST) as client:
-            assert (await client.metadata())["action_horizon"] == HORIZON
+            assert (await client.metadata())["output"]["action_horizon"] == HORIZON
             first = await client.infer(OBS, seed=1)
             with pytest.raises(ServerError) as e:
                 await client.infer(OBS, rtc={"prev_chunk": chunk(1)})

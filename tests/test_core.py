@@ -352,3 +352,30 @@ def test_read_only_arrays_are_accepted_without_warnings(golden_policy):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert np.isfinite(golden_policy.infer(obs, seed=0).actions).all()
+
+
+def test_per_request_prefix_cache_and_graph_flags_reach_the_runtime(golden):
+    """runtime.prefix_cache false: that item is neither looked up nor stored, the others are;
+    runtime.cuda_graph false reaches the runner as graphs=False (the eager runner has none to skip)."""
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    prefix_cache=4)
+    cache, runner = policy.runtime.prefix_cache, policy.runtime.runner
+    seen = []
+    launch = runner.launch
+    runner.launch = lambda *args, **kwargs: seen.append(kwargs["graphs"]) or launch(*args, **kwargs)
+    obs = [observation(30 + i, size=(32, 32)) for i in range(2)]
+
+    def run(graphs: bool):
+        requests = [policy.request(o, noise=np.zeros((50, 32), np.float32)) for o in obs]
+        requests[1].prefix_cache = False
+        for r in requests:
+            r.cuda_graph = graphs
+        return policy.run(requests)
+
+    first = run(graphs=False)
+    assert cache.stats() == {"entries": 1, "max_entries": 4, "hits": 0, "misses": 1}  # item 1: no lookup, no store
+    second = run(graphs=True)
+    assert cache.stats() == {"entries": 1, "max_entries": 4, "hits": 1, "misses": 1}
+    assert seen == [False, True]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a.actions, b.actions)

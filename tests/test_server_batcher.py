@@ -325,3 +325,55 @@ def test_a_batch_that_fails_on_the_device_fails_only_its_bad_request():
     for seed, result in ((1, one), (2, two), (3, three)):
         assert (result.actions == seed).all()
     assert [[r.seed for r in b.requests] for b in device.batches] == [[1], [13, 2, 3], [13], [2], [3]]
+
+
+def test_graph_less_requests_are_batched_apart(golden_policy):
+    """runtime.cuda_graph false: a batch holds graphed requests or graph-less ones, never both."""
+    gated = GatedPolicy(golden_policy)
+    batcher = Batcher(gated, max_batch_size=8, batch_delay_ms=1.0)
+    graphed = {i: i % 2 == 0 for i in range(6)}
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        requests = [golden_policy.request(observation(i), seed=i, num_steps=1) for i in range(6)]
+        for i, request in enumerate(requests):
+            request.cuda_graph = graphed[i]
+        first = asyncio.ensure_future(batcher.submit(requests[0]))
+        await loop.run_in_executor(None, gated.entered.wait)
+        rest = [asyncio.ensure_future(batcher.submit(r)) for r in requests[1:]]
+        await asyncio.sleep(0.05)
+        gated.gate.set()
+        return await asyncio.gather(first, *rest)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    batches = [[int(t.split()[1]) for t in tasks] for tasks, _ in gated.batches]
+    assert sorted(sorted(b) for b in batches[1:]) == [[1, 3, 5], [2, 4]]
+    for i, result in enumerate(results):
+        expected = golden_policy.infer(observation(i), seed=i, num_steps=1).actions
+        np.testing.assert_allclose(result.actions, expected, rtol=0, atol=ATOL)
+
+
+def test_a_group_fills_batches_up_to_the_limit_in_order(golden_policy):
+    """submit_many (a request of B observations): B = 7 over a limit of 3 runs as 3 + 3 + 1, in order."""
+    gated = GatedPolicy(golden_policy)
+    batcher = Batcher(gated, max_batch_size=3, batch_delay_ms=0.0)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(submit(batcher, golden_policy, observation(100), seed=0, num_steps=1))
+        await loop.run_in_executor(None, gated.entered.wait)
+        group = batcher.submit_many([golden_policy.request(observation(i), seed=i, num_steps=1) for i in range(7)])
+        gated.gate.set()
+        return await asyncio.gather(first, *group)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    assert [tasks for tasks, _ in gated.batches[1:]] == [[f"task {i}" for i in r] for r in ((0, 1, 2), (3, 4, 5), (6,))]
+    for i, result in enumerate(results[1:]):
+        expected = golden_policy.infer(observation(i), seed=i, num_steps=1).actions
+        np.testing.assert_allclose(result.actions, expected, rtol=0, atol=ATOL)

@@ -47,8 +47,9 @@ class _Pending:
     enqueued_at: float = field(default_factory=time.perf_counter)
 
     @property
-    def num_steps(self) -> int:
-        return self.request.num_steps
+    def key(self) -> tuple:
+        """Requests batch together only with the same key: one step count, graphs or none."""
+        return self.request.num_steps, self.request.cuda_graph
 
 
 _STOP = object()
@@ -175,14 +176,20 @@ class Batcher:
 
     async def submit(self, request: Request):
         """Runs one request; the result's `timings` gains `queue_ms`."""
+        return await self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[Request]) -> list[asyncio.Future]:
+        """Queues requests as one group (they reach the launch thread together, so a group of B
+        fills batches up to the limit instead of racing it); one future per request, each failing alone."""
         loop = asyncio.get_running_loop()
-        request = _Pending(request, loop, loop.create_future())
-        self.clients.arrived(request.request.client, request.enqueued_at)
+        pending = [_Pending(r, loop, loop.create_future()) for r in requests]
+        for p in pending:
+            self.clients.arrived(p.request.client, p.enqueued_at)
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the server is shutting down")
-            self._queue.put(request)
-        return await request.future
+            self._queue.put(pending[0] if len(pending) == 1 else pending)
+        return [p.future for p in pending]
 
     def close(self) -> None:
         """Stops taking requests, finishes every queued one, then joins the threads."""
@@ -198,11 +205,14 @@ class Batcher:
         return self._launcher.is_alive() and self._completer.is_alive()
 
     def _run(self) -> None:
-        # Requests that did not fit the current batch (another num_steps), in arrival order.
+        # Requests that did not fit the current batch (another key, or past the limit), in arrival order.
         held: collections.deque = collections.deque()
         while True:
             self.clock.await_turn() if self.overlap else self._await_idle()
             first = held.popleft() if held else self._queue.get()
+            if isinstance(first, list):  # a group: its first request leads, the rest wait in line first
+                held.extendleft(reversed(first[1:]))
+                first = first[0]
             if first is _STOP:
                 self._launched.put(_STOP)
                 return
@@ -210,7 +220,7 @@ class Batcher:
             for request in list(held):
                 if len(batch) == self.max_batch_size:
                     break
-                if request is not _STOP and request.num_steps == first.num_steps:
+                if request is not _STOP and request.key == first.key:
                     held.remove(request)
                     batch.append(request)
             started = time.perf_counter()
@@ -226,12 +236,14 @@ class Batcher:
                     request = self._queue.get(timeout=wait)
                 except queue.Empty:
                     break
-                if request is not _STOP and request.num_steps == first.num_steps:
-                    batch.append(request)
-                else:
+                if request is _STOP:
                     held.append(request)
-                    if request is _STOP:
-                        break
+                    break
+                for item in request if isinstance(request, list) else [request]:
+                    if item.key == first.key and len(batch) < self.max_batch_size:
+                        batch.append(item)
+                    else:
+                        held.append(item)
             self._execute(batch)
 
     def _await_idle(self) -> None:
@@ -312,7 +324,7 @@ class Batcher:
 
     @staticmethod
     def _shape(batch: list[_Pending]) -> tuple:
-        return len(batch), batch[0].num_steps
+        return len(batch), *batch[0].key
 
 
 def _resolve(request: _Pending, result=None, error: Exception | None = None) -> None:

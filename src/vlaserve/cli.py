@@ -108,7 +108,8 @@ def serve_command(cli: dict) -> int:
                  runtime.batch_limit, runtime.max_batch_size)
     app = create_app(policy, settings)
     log_startup(policy, options)
-    protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]))
+    protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]),
+                                     max_payload_bytes, options["body_timeout_s"])
     served = RequestLog(app) if options["log_requests"] else app
     server = DrainingServer(uvicorn.Config(
         served, host=options["host"], port=options["port"], log_config=None, access_log=False, http=protocol,

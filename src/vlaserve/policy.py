@@ -151,10 +151,13 @@ class Policy:
         steps = {r.num_steps for r in requests}
         if len(steps) != 1:
             raise InvalidRequest("num_steps", "requests of one batch must share the step count")
+        if len({r.cuda_graph for r in requests}) != 1:
+            raise InvalidRequest("cuda_graph", "requests of one batch must all use graphs or none")
         started = time.perf_counter()
         inputs, noise, rtc = self.preprocessor.collate(requests)
         prepared = time.perf_counter()
-        launched = self.runtime.launch(inputs, noise, steps.pop(), rtc)
+        launched = self.runtime.launch(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
+                                       requests[0].cuda_graph)
         return LaunchedBatch(self, requests, launched, (prepared - started) * 1e3)
 
 

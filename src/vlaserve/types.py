@@ -197,17 +197,22 @@ class Request:
     prepared: PreparedObservation | None = None  # set once, by Policy.prepare
     created_at: float = field(default_factory=time.perf_counter)
     client: object = None  # who sent it (a connection), so the batcher can expect the client's next request
+    # Per-request runtime controls: False skips the prefix cache (lookup and store) / graph replay for
+    # this request. True means "when the server has one"; graph-less requests are batched apart.
+    prefix_cache: bool = True
+    cuda_graph: bool = True
 
     @staticmethod
     def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None, *,
-               default_steps: int) -> "Request":
+               default_steps: int, prefix_cache: bool = True, cuda_graph: bool = True) -> "Request":
         """`default_steps`: the checkpoint's num_inference_steps, for a request that names none."""
         return Request(
             observation,
             num_steps=default_steps if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
             noise=None if noise is None else float_array(noise, "noise", ndim=2, max_abs=MAX_NOISE_ABS),
             seed=None if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
-            rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc))
+            rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc),
+            prefix_cache=prefix_cache, cuda_graph=cuda_graph)
 
 
 @dataclass

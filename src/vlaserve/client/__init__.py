@@ -7,10 +7,10 @@ robot computer: `pip install --no-deps vlaserve && pip install numpy msgpack web
 
 from .aio import AsyncClient
 from .executor import ActionChunkExecutor, ExecutorError, ExecutorEvent, ExecutorStats
-from .protocol import (AuthenticationError, ClientError, ConnectionLost, Reply, RtcNotSupported,
+from .protocol import (AuthenticationError, BatchError, ClientError, ConnectionLost, Reply, RtcNotSupported,
                        ServerError)
 from .sync import Client
 
-__all__ = ["ActionChunkExecutor", "AsyncClient", "AuthenticationError", "Client", "ClientError",
+__all__ = ["ActionChunkExecutor", "AsyncClient", "AuthenticationError", "BatchError", "Client", "ClientError",
            "ConnectionLost", "ExecutorError", "ExecutorEvent", "ExecutorStats", "Reply", "RtcNotSupported",
            "ServerError"]

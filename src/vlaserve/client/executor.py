@@ -144,8 +144,8 @@ class ActionChunkExecutor:
         if self._worker is not None:
             raise RuntimeError("start() was already called")
         metadata = self.client.metadata()
-        self.horizon = int(metadata["action_horizon"])
-        self.action_dim = int(metadata["action_dim"])
+        self.horizon = int(metadata["output"]["action_horizon"])  # SGLang's action.metadata structure
+        self.action_dim = int(metadata["output"]["action_dim"])
         h = self._requested_horizon if self._requested_horizon is not None else self.horizon // 2
         if not 1 <= h <= self.horizon:
             raise ValueError(f"execution_horizon must be in 1..{self.horizon} (the chunk length), got {h}")

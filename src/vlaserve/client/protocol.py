@@ -34,6 +34,17 @@ class ServerError(ClientError):
         self.type, self.field, self.message = type, field, message
 
 
+class BatchError(ClientError):
+    """Some observations of `infer_batch` failed: `replies[i]` is item i's Reply (None where it failed),
+    `errors[i]` its ServerError (None where it succeeded)."""
+
+    def __init__(self, replies: list, errors: list):
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        super().__init__(f"{len(failed)} of {len(errors)} observations failed; the first, item {failed[0]}: "
+                         f"{errors[failed[0]]}")
+        self.replies, self.errors = replies, errors
+
+
 class AuthenticationError(ClientError):
     """The server answered the handshake with HTTP 401: missing or wrong API key. Never retried."""
 
@@ -77,18 +88,59 @@ class RealtimeProtocol:
         return packb(body)
 
     @staticmethod
+    def encode_batch(observations: list[Mapping], seed: int | None, num_inference_steps: int | None) -> bytes:
+        """B observations as one request (the batch form: a leading dimension of B on every array,
+        one task per observation). Their keys, and each array's shape, must match."""
+        if not observations:
+            raise ValueError("infer_batch needs at least one observation")
+        if len({frozenset(o) for o in observations}) != 1 or len({frozenset(o["images"]) for o in observations}) != 1:
+            raise ValueError("every observation of a batch needs the same keys and cameras")
+        stacked = {}
+        for key in observations[0]:
+            values = [o[key] for o in observations]
+            if key == "images":
+                stacked[key] = {cam: _stack([v[cam] for v in values], f"images.{cam}") for cam in values[0]}
+            elif key in ("task", "prompt"):
+                stacked[key] = list(values)
+            else:
+                stacked[key] = _stack(values, key)
+        return RealtimeProtocol.encode(stacked, None, seed, num_inference_steps)
+
+    @staticmethod
     def decode(frame) -> tuple[np.ndarray, dict]:
+        items, timings = RealtimeProtocol.decode_batch(frame)
+        if not items:
+            raise ClientError("realtime reply has an empty data list")
+        if isinstance(items[0], ServerError):
+            raise items[0]
+        return items[0], timings
+
+    @staticmethod
+    def decode_batch(frame) -> tuple[list, dict]:
+        """Each item's actions (or its ServerError) and the reply's timings; a whole-request error raises."""
         reply = unpackb(frame) if isinstance(frame, bytes) else None
         if not isinstance(reply, dict):
             raise ClientError(f"unexpected realtime reply: {str(frame)[:200]!r}")
         if "error" in reply:
-            error = reply["error"] or {}
-            raise ServerError(str(error.get("type")), error.get("field"), str(error.get("message")))
+            raise _server_error(reply["error"])
         try:
-            actions = reply["data"][0]["action"]["values"]
+            items = [_server_error(item["error"]) if "error" in item else
+                     np.asarray(item["action"]["values"], dtype=np.float32) for item in reply["data"]]
         except (KeyError, IndexError, TypeError):
-            raise ClientError(f"realtime reply has no data[0].action.values: keys {sorted(reply)}") from None
-        return np.asarray(actions, dtype=np.float32), dict(reply.get("timings") or {})
+            raise ClientError(f"realtime reply has no data[i].action.values: keys {sorted(reply)}") from None
+        return items, dict(reply.get("timings") or {})
+
+
+def _server_error(error) -> ServerError:
+    error = error or {}
+    return ServerError(str(error.get("type")), error.get("field"), str(error.get("message")))
+
+
+def _stack(values: list, key: str) -> np.ndarray:
+    try:
+        return np.stack([np.asarray(v) for v in values])
+    except ValueError:
+        raise ValueError(f"the observations' {key!r} differ in shape; a batch stacks them") from None
 
 
 # OpenPI reports an error as one text frame, "type: field: message" or "type: message" (then 1011).

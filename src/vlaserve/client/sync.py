@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from .protocol import (RETRYABLE, refused_key, retry_delay, AuthenticationError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
+from .protocol import (RETRYABLE, refused_key, retry_delay, AuthenticationError, BatchError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
                        backoff_delays, parse_metadata, protocol_named, websocket_url)
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,33 @@ class Client:
         `rtc`: {"prev_chunk": [T, action_dim], "space": "action", "inference_delay", "execution_horizon", …}.
         Raises ServerError (naming the field) when the server refuses the request."""
         frame = self.protocol.encode(observation, rtc, seed, num_inference_steps)
+        answer, round_trip_ms = self._round_trip(frame)
+        try:
+            actions, timing = self.protocol.decode(answer)
+        except ServerError:
+            if self.protocol.name == "openpi":  # the server closes the socket after an error
+                self.close()
+            raise
+        return Reply(actions, round_trip_ms, timing)
+
+    def infer_batch(self, observations: list[Mapping], *, seed: int | None = None,
+                    num_inference_steps: int | None = None) -> list[Reply]:
+        """One action chunk per observation, from one request (the server splits a batch larger than its
+        batch limit). The observations share keys, cameras and array shapes; each has its own task (and
+        noise, if any). Raises BatchError (with the items that succeeded) when some observations fail,
+        ServerError when the whole request is refused. Realtime protocol only."""
+        if self.protocol.name != "realtime":
+            raise ValueError("infer_batch needs protocol='realtime' (the OpenPI protocol sends one observation a frame)")
+        answer, round_trip_ms = self._round_trip(self.protocol.encode_batch(observations, seed, num_inference_steps))
+        items, timing = self.protocol.decode_batch(answer)
+        replies = [None if isinstance(item, ServerError) else Reply(item, round_trip_ms, timing) for item in items]
+        errors = [item if isinstance(item, ServerError) else None for item in items]
+        if any(errors):
+            raise BatchError(replies, errors)
+        return replies
+
+    def _round_trip(self, frame: bytes) -> tuple[object, float]:
+        """Sends one frame and waits for its answer: (answer, round trip in ms)."""
         self.connect()
         ws = self._ws
         started = time.perf_counter()
@@ -105,11 +132,4 @@ class Client:
         except (ConnectionClosed, OSError) as e:
             self.close()
             raise ConnectionLost(f"connection to {self.url} lost during a request: {e}") from e
-        round_trip_ms = (time.perf_counter() - started) * 1000.0
-        try:
-            actions, timing = self.protocol.decode(answer)
-        except ServerError:
-            if self.protocol.name == "openpi":  # the server closes the socket after an error
-                self.close()
-            raise
-        return Reply(actions, round_trip_ms, timing)
+        return answer, (time.perf_counter() - started) * 1000.0

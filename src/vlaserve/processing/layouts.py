@@ -40,7 +40,8 @@ STATE_KEYS = ("state", "observation/state", "observation.state")
 # DROID sends the state in two parts; OpenPI's DroidInputs concatenates them in this order.
 STATE_PARTS = ("observation/joint_position", "observation/gripper_position")
 TASK_KEYS = ("task", "prompt")
-PASSED_THROUGH = ("noise", "images_normalized")
+NOISE_KEYS = ("noise", "observation.noise")  # SGLang's OpenPI socket takes the LeRobot-style name too
+PASSED_THROUGH = ("images_normalized",)
 LEROBOT_IMAGE_PREFIX = "observation.images."
 IMAGE_PREFIXES = ("images.", LEROBOT_IMAGE_PREFIX, "observation/")
 
@@ -175,6 +176,8 @@ class KeyLayout:
                 for name, image in value.items():
                     sent.append(f"images.{name}")
                     add_image(f"images.{name}", image)
+            elif key in NOISE_KEYS:
+                set_once("noise", key, value)
             elif key in PASSED_THROUGH:  # before the image keys: `images_normalized` is no camera
                 out[key] = value
             elif renamed in STATE_KEYS:

@@ -43,9 +43,10 @@ class PrefixCache:
             h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
         return h.digest()
 
-    def fetch(self, keys: list[bytes]) -> tuple[list[PrefixEntry | None], bool]:
-        """Each key's entry (None where missing), and whether every key hit (then the prefix is skipped)."""
-        entries = [self.get(k) for k in keys]
+    def fetch(self, keys: list[bytes | None]) -> tuple[list[PrefixEntry | None], bool]:
+        """Each key's entry (None where missing, or where the key is None: an item that opted out of
+        the cache, neither looked up nor counted), and whether every key hit (then the prefix is skipped)."""
+        entries = [None if k is None else self.get(k) for k in keys]
         return entries, all(e is not None for e in entries)
 
     def get(self, key: bytes) -> PrefixEntry | None:

@@ -43,12 +43,12 @@ class StageTimes(Protocol):
 
 class Runner(Protocol):
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
-               prefix: list[PrefixEntry] | None = None,
-               vision_slots: int | None = None) -> tuple[torch.Tensor, StageTimes]:
+               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None,
+               graphs: bool = True) -> tuple[torch.Tensor, StageTimes]:
         """Enqueues a call: model-space actions [B, H, A] on the device (valid, in stream order, until
         the next launch) and its stage times. With `prefix` (one cached entry per item) the prefix
         pass is skipped; `vision_slots`: how many leading camera slots any item uses (known on the
-        host, so the device is never asked)."""
+        host, so the device is never asked); `graphs=False`: the same math without graph replay."""
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry."""
@@ -72,8 +72,8 @@ class EagerRunner:
         self._ctx: PrefixContext | None = None
 
     @torch.no_grad()
-    def launch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None):
-        t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked)
+    def launch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True):
+        t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked; no graphs)
         if prefix is not None:
             kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
                   for layer in range(len(prefix[0].k))]
@@ -212,14 +212,19 @@ class Runtime:
                  ",".join(map(str, sizes)), ",".join(map(str, lengths)), time.perf_counter() - started,
                  self.graph_bytes / 2**30, (estimate.kv_and_buffers + estimate.activations) / 2**30)
 
-    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None) -> "Launched":
+    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
+               use_cache: list[bool] | None = None, graphs: bool = True) -> "Launched":
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on
         work already running (inputs go up from host memory without a stream sync, the actions come
-        back into pinned memory, and an event marks when they are there)."""
+        back into pinned memory, and an event marks when they are there). `use_cache`: per item,
+        whether it may use the prefix cache (default all); `graphs=False`: no graph replay."""
         cache = self.prefix_cache
+        if use_cache is not None and not any(use_cache):
+            cache = None
         keys = None if cache is None else [
             cache.key(inputs.images[i], inputs.image_masks[i], inputs.tokens[i], inputs.token_mask[i],
                       [(slot, frame) for item, slot, frame in inputs.pending if item == i])
+            if use_cache is None or use_cache[i] else None
             for i in range(len(inputs.tokens))]
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         with self.device_lock:
@@ -229,10 +234,11 @@ class Runtime:
                 rtc = RTCGuidance(*(t.to(self.device, non_blocking=True) for t in (rtc.prev, rtc.weights, rtc.max_weight)))
             inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
-            actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots)
+            actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots,
+                                            graphs=graphs)
             if cache is not None and not hit:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
-                    if entry is None:
+                    if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
             return Launched.enqueue(actions, stages, self._quiet)
 

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from .bodies import body_format, decode, read_body
-from .codec import accepts_msgpack, dumps_json, packb
+from .codec import dumps_json, packb, reply_msgpack
 from .guard import Guard
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
@@ -97,10 +97,10 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         fmt = body_format(request.headers.get("content-type"))
         payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
         body = await decode(payload, fmt, service.workers)
-        msgpack_response = accepts_msgpack(request.headers.get("accept"))
-        generation, result, timings = await service.generate(body, started, msgpack_response,
-                                                             client=_connection(request))
-        reply = service.reply(generation, result, timings, started)
+        msgpack_response = reply_msgpack(request.headers.get("content-type"), request.headers.get("accept"))
+        generation, results, timings = await service.generate(body, started, msgpack_response,
+                                                              client=_connection(request))
+        reply = service.reply(generation, results, timings, started)
         if msgpack_response:
             return Response(packb(reply), media_type=MSGPACK)
         return Response(dumps_json(reply), media_type="application/json")
@@ -116,9 +116,9 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                     if frame is None:
                         raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
                     body = await decode(frame, "msgpack", service.workers)
-                    generation, result, timings = await service.generate(body, started, msgpack_response=True,
-                                                                         client=id(websocket))
-                    reply, status = service.reply(generation, result, timings, started), 200
+                    generation, results, timings = await service.generate(body, started, msgpack_response=True,
+                                                                          client=id(websocket))
+                    reply, status = service.reply(generation, results, timings, started), 200
                 except ApiError as error:
                     reply, status = error.body(), error.status
                 except Exception:  # noqa: BLE001 - a route bug: this request fails, the session goes on

@@ -51,6 +51,40 @@ def accepts_msgpack(accept: str | None) -> bool:
     return bool(accept) and any(is_msgpack(entry) for entry in accept.split(","))
 
 
+def reply_msgpack(content_type: str | None, accept: str | None) -> bool:
+    """SGLang's negotiation: a msgpack reply when either the body's Content-Type or Accept names msgpack."""
+    return is_msgpack(content_type) or accepts_msgpack(accept)
+
+
+TENSOR_OBJECT_KEYS = frozenset({"dtype", "shape", "values"})
+
+
+def tensor_object(value):
+    """SGLang's JSON form of an array, {"dtype": "float32", "shape": [..], "values": nested or flat},
+    as an ndarray; any other value is returned unchanged. Raises DecodeError when it is malformed."""
+    if not isinstance(value, dict) or "values" not in value or not set(value) <= TENSOR_OBJECT_KEYS:
+        return value
+    values = value["values"]
+    if not isinstance(values, np.ndarray):
+        raise DecodeError("a tensor object's values must be a (nested) list of numbers")
+    array = values
+    if value.get("dtype") is not None:
+        dtype = _numeric_dtype(value["dtype"])
+        if dtype.kind in "iu" and array.dtype.kind == "f" and not np.array_equal(array, np.round(array)):
+            raise DecodeError(f"a tensor object of dtype {dtype.name} holds non-integer values")
+        array = array.astype(dtype, copy=False)
+    shape = value.get("shape")
+    if shape is not None:
+        if not isinstance(shape, (list, np.ndarray)) or not all(type(n) in (int, np.int64) and n >= 0 for n in
+                                                                list(shape)):
+            raise DecodeError(f"a tensor object's shape must be a list of non-negative ints, got {shape!r}")
+        shape = [int(n) for n in shape]
+        if math.prod(shape) != array.size:
+            raise DecodeError(f"a tensor object of shape {shape} needs {math.prod(shape)} values, got {array.size}")
+        array = array.reshape(shape)
+    return array
+
+
 def _field(obj: dict, name: str):
     # openpi-client packs these keys as bytes; other msgpack clients often use str.
     return obj[name.encode()] if name.encode() in obj else obj[name]

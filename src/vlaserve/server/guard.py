@@ -32,10 +32,12 @@ def error_body(status: int, type: str, message: str, field: str | None = None) -
     return json.dumps({"error": {"type": type, "field": field, "message": message}}).encode()
 
 
-async def send_json_error(send, status: int, type: str, message: str) -> None:
+async def send_json_error(send, status: int, type: str, message: str, close: bool = False) -> None:
+    """`close`: the connection closes after this answer (uvicorn honours `connection: close`)."""
     body = error_body(status, type, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": headers + [(b"connection", b"close")] if close else headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -57,6 +59,11 @@ def _same_origin(origin: str, scope) -> bool:
     except ValueError:  # a DNS name, or a malformed Host
         return False
     return True
+
+
+def _ambiguous_framing(scope) -> bool:
+    names = {name for name, _ in scope.get("headers", ())}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 class Guard:
@@ -93,7 +100,13 @@ class Guard:
             await send(message)
 
         try:
-            if not self.origin_allowed(scope):
+            if _ambiguous_framing(scope):
+                # Content-Length and Transfer-Encoding together: where this body ends is ambiguous (a
+                # proxy in front may have read it otherwise), so nothing after it on this connection
+                # can be trusted: 400, then close (RFC 9112 section 6.1).
+                await send_json_error(send_tracked, 400, "invalid_http_framing",
+                                      "a request may carry Content-Length or Transfer-Encoding, not both", close=True)
+            elif not self.origin_allowed(scope):
                 await send_json_error(send_tracked, 403, "forbidden_origin",
                                          "requests from web pages are refused unless their origin is in "
                                          "--allowed-origins (or is this server's own, at an IP address or "

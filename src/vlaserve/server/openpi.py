@@ -19,7 +19,7 @@ from ..errors import InvalidInput
 from ..types import Observation, Request
 from .bodies import decode
 from .codec import packb
-from .schema import ApiError, api_error, invalid
+from .schema import ApiError, api_error, invalid, tensor_field
 from .service import Service, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
@@ -27,10 +27,36 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR = 1011
 
 
+# SGLang's per-request toggles on this socket: Request field -> its key, and the older name.
+TOGGLE_KEYS = {"prefix_cache": ("enable_prefix_cache", "enable_pi_prefix_cache"),
+               "cuda_graph": ("enable_cuda_graph", "enable_pi_cuda_graph")}
+
+
+def _toggles(raw: dict) -> dict:
+    """Pops SGLang's toggles out of an observation dict: {Request field: bool} (`"auto"` is True)."""
+    toggles = {}
+    for target, names in TOGGLE_KEYS.items():
+        given = [name for name in names if name in raw]
+        if len(given) > 1:
+            raise invalid(given[1], f"given twice (as {given[0]!r} too)")
+        if given:
+            value = raw.pop(given[0])
+            if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+                raise invalid(given[0], 'must be true, false or "auto"')
+            toggles[target] = value is not False
+    return toggles
+
+
 def request_from_openpi(raw, service: Service) -> Request:
-    """An OpenPI/LeRobot/ALOHA observation dict -> a Request (OpenPI has no request options but noise)."""
+    """An OpenPI/LeRobot/ALOHA observation dict -> a Request. Besides noise, SGLang's options:
+    num_inference_steps, enable_prefix_cache / enable_cuda_graph (or their enable_pi_ names)."""
     if not isinstance(raw, dict):
         raise invalid(None, "an observation must be a map of observation keys to values")
+    # Tensor objects (SGLang's JSON form of arrays) as ndarrays, here and one level down (images).
+    raw = {key: {k: tensor_field(v, f"{key}.{k}") for k, v in value.items()}
+           if isinstance(value, dict) and "values" not in value else tensor_field(value, key)
+           for key, value in raw.items()}
+    num_steps, toggles = raw.pop("num_inference_steps", None), _toggles(raw)
     try:
         canonical = service.layout.canonical(raw)
         if "state" not in canonical:
@@ -39,15 +65,16 @@ def request_from_openpi(raw, service: Service) -> Request:
             raise invalid("task", "missing: send the instruction as 'prompt' or 'task'")
         observation = Observation.create(canonical["images"], canonical["state"], canonical["task"],
                                          canonical.get("images_normalized", False))
-        return Request.create(observation, noise=canonical.get("noise"),
-                              default_steps=service.identity["num_inference_steps"])
+        return Request.create(observation, noise=canonical.get("noise"), num_steps=num_steps,
+                              default_steps=service.identity["num_inference_steps"],
+                              prefix_cache=toggles.get("prefix_cache", True), cuda_graph=toggles.get("cuda_graph", True))
     except InvalidInput as e:
         raise api_error(e) from None
 
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
-    await websocket.send_bytes(packb(service.metadata))
+    await websocket.send_bytes(packb(service.public_metadata()))
     prev_total_ms = None
     try:
         async for frame, started in service.sessions.frames(websocket):

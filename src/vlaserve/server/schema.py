@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidInput, InvalidObservation
 from ..processing.layouts import KeyLayout
 from ..types import MAX_INFERENCE_STEPS, RTC_SCHEDULES, Observation, Request, RtcOptions
+from .codec import DecodeError, tensor_object
 
 class ApiError(Exception):
     """An error the client caused, reported as {"error": {"type", "field", "message"}}."""
@@ -64,22 +66,35 @@ class ObservationIn(_Strict):
 
 
 class InputIn(_Strict):
-    task: str | None = Field(None, description="the instruction, e.g. 'pick up the red block'")
-    prompt: str | None = Field(None, description="alias of task (OpenPI's name)")
+    task: str | list[str] | None = Field(None, description="the instruction, e.g. 'pick up the red block' "
+                                                           "(a batch: one for all, or one per observation)")
+    prompt: str | list[str] | None = Field(None, description="alias of task (OpenPI's name)")
     observation: ObservationIn
 
 
 class ParametersIn(_Strict):
     num_inference_steps: int | None = Field(None, description=f"1..{MAX_INFERENCE_STEPS}; default: the checkpoint's")
-    seed: int | None = Field(None, description="0..2^63-1; seeds the noise when no noise is given")
+    seed: int | None = Field(None, description="0..2^63-1; seeds the noise when no noise is given "
+                                               "(item i of a batch: seed + i)")
+    action_horizon: int | None = Field(None, description="return this many leading actions (1..the checkpoint's "
+                                                         "action_horizon); default all")
+    action_dim: int | None = Field(None, description="the model's padded action dim (metadata "
+                                                     "output.padded_action_dim); only that value is accepted")
+
+
+Toggle = bool | Literal["auto"]
 
 
 class RuntimeIn(_Strict):
-    return_timing: bool = False
+    return_timing: bool = Field(True, description="per-stage timings in the reply")
     output_format: Literal["list", "numpy"] | None = Field(
-        None, description="list: nested lists; numpy: a raw ndarray (msgpack responses only). "
-                          "Default: numpy for msgpack responses, list for JSON")
+        None, description="list: nested lists; numpy: raw ndarrays in a msgpack reply (a JSON reply is "
+                          "always lists). Default: numpy for msgpack replies, list for JSON")
     response_format: Literal["envelope", "raw"] = "envelope"
+    prefix_cache: Toggle = Field("auto", description="false: skip the server's prefix cache (lookup and "
+                                                     "store) for this request; true/auto: use it if enabled")
+    cuda_graph: Toggle = Field("auto", description="false: run this request without CUDA graph replay (the same "
+                                                   "math; batched apart); true/auto: use graphs if captured")
 
 
 class RtcIn(_Strict):
@@ -103,16 +118,21 @@ class GenerationRequest(_Strict):
 
 @dataclass
 class Generation:
-    """A validated /v1 request: the Request for the policy, and how to reply."""
+    """A validated /v1 request: one Request per observation (an ApiError where that observation is
+    invalid: a batch answers it in its own item), and how to reply."""
 
-    request: Request
-    return_timing: bool = False
+    requests: list  # Request | ApiError
+    batched: bool = False  # the batch form: B observations, answered as B items
+    return_timing: bool = True
     output_format: str = "list"
     response_format: str = "envelope"
+    action_horizon: int | None = None  # leading actions returned; None: all
 
 
-def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: bool) -> Generation:
-    """`identity`: the served model's name, checkpoint and default step count; `layout`: the server's key table."""
+def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: bool,
+                     shape: dict | None = None) -> Generation:
+    """`identity`: the served model's name, checkpoint and default step count; `layout`: the server's key table;
+    `shape`: the checkpoint's action_horizon and padded_action_dim (checked when a request names them)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be an object")
     try:
@@ -126,19 +146,95 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
     inp, obs_in = parsed.input, parsed.input.observation
     if (inp.task is None) == (inp.prompt is None):
         raise invalid("input.task", "give exactly one of input.task and input.prompt")
-    runtime = parsed.runtime
-    output_format = runtime.output_format or ("numpy" if msgpack_response else "list")
-    if output_format == "numpy" and not msgpack_response:
-        raise invalid("runtime.output_format", "numpy output needs a msgpack response "
-                                               "(Accept: application/msgpack)")
+    params, runtime = parsed.parameters, parsed.runtime
+    horizon = _checked_shape(params, shape)
+    # A JSON reply is always lists (SGLang's rule); msgpack replies default to ndarrays.
+    output_format = (runtime.output_format or "numpy") if msgpack_response else "list"
+    task = inp.task if inp.task is not None else inp.prompt
+    images = {cam: tensor_field(image, f"input.observation.images.{cam}") for cam, image in obs_in.images.items()}
+    state = tensor_field(obs_in.state, "input.observation.state")
+    noise = tensor_field(obs_in.noise, "input.observation.noise")
     try:
-        canonical = layout.canonical({"images": obs_in.images})
-        observation = Observation.create(canonical["images"], obs_in.state,
-                                         inp.task if inp.task is not None else inp.prompt, obs_in.images_normalized)
-        rtc = None if parsed.rtc is None else RtcOptions.create(parsed.rtc.model_dump())
-        request = Request.create(observation, obs_in.noise, parsed.parameters.seed,
-                                 parsed.parameters.num_inference_steps, rtc,
-                                 default_steps=identity["num_inference_steps"])
+        canonical = layout.canonical({"images": images})["images"]
     except InvalidInput as e:
         raise api_error(e, in_request_body=True) from None
-    return Generation(request, runtime.return_timing, output_format, runtime.response_format)
+    size = _batch_size(canonical, state, noise, task)
+    rtc = None if parsed.rtc is None else parsed.rtc.model_dump()
+    if size is not None and rtc is not None:
+        raise invalid("rtc", "RTC guidance is for one observation; send batched observations without it")
+    items = [(canonical, state, noise, task, params.seed)] if size is None else [
+        ({cam: image[i] for cam, image in canonical.items()}, state[i], None if noise is None else noise[i],
+         task if isinstance(task, str) else task[i], None if params.seed is None else (params.seed + i) % 2**63)
+        for i in range(size)]
+    requests = []
+    for images_i, state_i, noise_i, task_i, seed_i in items:
+        try:
+            observation = Observation.create(images_i, state_i, task_i, obs_in.images_normalized)
+            requests.append(Request.create(observation, noise_i, seed_i, params.num_inference_steps, rtc,
+                                           default_steps=identity["num_inference_steps"],
+                                           prefix_cache=runtime.prefix_cache is not False,
+                                           cuda_graph=runtime.cuda_graph is not False))
+        except InvalidInput as e:
+            if size is None:
+                raise api_error(e, in_request_body=True) from None
+            requests.append(api_error(e, in_request_body=True))
+    return Generation(requests, size is not None, runtime.return_timing, output_format, runtime.response_format,
+                      horizon)
+
+
+def tensor_field(value, field: str):
+    """A tensor object as an ndarray (SGLang's JSON form of arrays), also in a list of them (a batch's
+    images); anything else unchanged. A malformed one is a 422 naming `field`."""
+    try:
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return [tensor_object(v) for v in value]
+        return tensor_object(value)
+    except DecodeError as e:
+        raise invalid(field, str(e)) from None
+
+
+def _checked_shape(params: ParametersIn, shape: dict | None) -> int | None:
+    if shape is None:
+        return params.action_horizon
+    if params.action_dim is not None and params.action_dim != shape["padded_action_dim"]:
+        raise invalid("parameters.action_dim", f"must be {shape['padded_action_dim']}, the model's padded action "
+                                               f"dim (replies hold the robot's {shape['action_dim']} dims)")
+    h = params.action_horizon
+    if h is not None and not 1 <= h <= shape["action_horizon"]:
+        raise invalid("parameters.action_horizon", f"must be in [1, {shape['action_horizon']}], the checkpoint's "
+                                                   f"action horizon; got {h}")
+    return h
+
+
+def _batch_size(images: dict, state, noise, task) -> int | None:
+    """B for the batch form (sgl-project/sglang#36301: every array field gains a leading batch dim,
+    one task for all or a list of B), None for one observation. Mixed forms are a 422 naming the field."""
+    batched = {}
+    if isinstance(task, list):
+        batched["input.task"] = len(task)
+    if isinstance(state, np.ndarray) and state.ndim == 2:
+        batched["input.observation.state"] = len(state)
+    if isinstance(noise, np.ndarray) and noise.ndim == 3:
+        batched["input.observation.noise"] = len(noise)
+    for cam, image in images.items():
+        # One image per observation: a [B, H, W, 3] array, or a list of B arrays (msgpack: their sizes may differ).
+        if (isinstance(image, list) and image and all(isinstance(i, np.ndarray) and i.ndim == 3 for i in image)) or (
+                isinstance(image, np.ndarray) and image.ndim == 4):
+            batched[f"input.observation.images.{cam}"] = len(image)
+    if not batched:
+        return None
+    size = next(iter(batched.values()))
+    for field, n in batched.items():
+        if n != size:
+            raise invalid(field, f"holds {n} observations, {next(iter(batched))} holds {size}")
+    if size < 1:
+        raise invalid(next(iter(batched)), "a batch needs at least one observation")
+    if isinstance(task, list) and not all(isinstance(t, str) for t in task):
+        raise invalid("input.task", "a list of tasks holds strings only")
+    unbatched = [f"input.observation.images.{cam}" for cam in images if f"input.observation.images.{cam}" not in batched]
+    unbatched += [f for f, v in (("input.observation.state", state), ("input.observation.noise", noise))
+                  if v is not None and f not in batched]
+    if unbatched:
+        raise invalid(unbatched[0], f"a batched request gives every observation its own value: a leading "
+                                    f"dimension of {size} (noise [B, H, D], state [B, S], images [B, H, W, 3])")
+    return size

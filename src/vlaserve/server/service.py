@@ -3,12 +3,15 @@ all protocols (authorize, validate, infer, time)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..batcher import Batcher, BatcherClosed
 from ..errors import InvalidInput, NonFiniteActions
@@ -74,6 +77,8 @@ class Service:
         m = policy.metadata
         self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"],
                          "num_inference_steps": m["num_inference_steps"]}
+        self.action_shape = {"action_horizon": m["action_horizon"], "action_dim": m["action_dim"],
+                             "padded_action_dim": m["max_action_dim"]}
         self.layout = KeyLayout(tuple(m["cameras"]), settings.camera_aliases, m["rename_map"])
         self.batch_limit = policy.runtime.settings.batch_limit  # RuntimeConfig owns it: graphs and memory use it too
         self.metrics = Metrics(self.batch_limit)
@@ -135,12 +140,25 @@ class Service:
         return self.policy.metadata  # live: fast path, prefix-cache stats and readiness change
 
     def public_metadata(self) -> dict:
+        """SGLang's action.metadata structure (input, output, defaults, capabilities: what its clients
+        read), with vlaserve's own fields beside it (the flat ones OpenPI clients read, limits, protocols)."""
         m = self.metadata
+        cache, graphs = m["prefix_cache"] is not None, bool(m["fast_path"])
         return {
-            "object": "model.metadata",
             **m,
-            "defaults": {"num_inference_steps": m["num_inference_steps"], "return_timing": False,
-                         "response_format": "envelope", "output_format": {"json": "list", "msgpack": "numpy"}},
+            "object": "action.metadata",
+            "policy_family": m["policy_type"],
+            "input": {"image_keys": m["cameras"], "image_size": m["image_resolution"], "state_dim": m["state_dim"]},
+            "output": {"action_type": "continuous", "action_horizon": m["action_horizon"],
+                       "action_dim": m["action_dim"], "padded_action_dim": m["max_action_dim"], "dtype": "float32"},
+            "defaults": {"num_inference_steps": m["num_inference_steps"], "action_horizon": m["action_horizon"],
+                         "prefix_cache": "auto" if cache else False, "cuda_graph": "auto" if graphs else False,
+                         "return_timing": True, "response_format": "envelope",
+                         "output_format": {"json": "list", "msgpack": "numpy"}},
+            "capabilities": {"exact_prefix_cache": cache, "cuda_graph": graphs, "realtime_websocket": True,
+                             "openpi_websocket": True, "batch_inputs": True,
+                             "max_batch_size": self.batch_limit, "multiple_candidates": False,
+                             "rtc": True},
             "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
                        "max_batch_size": self.batch_limit, "batch_delay_ms": self.settings.batch_delay_ms,
                        "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
@@ -157,74 +175,155 @@ class Service:
             "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
         }
 
-    async def prepare(self, request: Request, in_request_body: bool) -> Request:
-        """Checks the request against the checkpoint and preprocesses it, on a worker thread: the
+    async def prepare(self, requests: list, in_request_body: bool) -> list:
+        """Checks each request against the checkpoint and preprocesses it, on worker threads: the
         prepared request is what gets batched, so an observation is preprocessed once, and preparing
         the next batch overlaps the device's work on this one. (Preparing cheap requests on the event
-        loop instead saved 1.1 ms at one robot but fragmented the batches of 4-8 robots: run 24.)"""
-        try:
-            await self.workers.in_thread(self.policy.prepare, request)
-        except InvalidInput as e:
-            raise api_error(e, in_request_body) from None
-        return request
+        loop instead saved 1.1 ms at one robot but fragmented the batches of 4-8 robots: run 24.)
+        Returns each request, or the ApiError it fails with (an ApiError given stays). The requests
+        share at most `worker_threads` jobs, so a batch of any size takes a bounded share of the backlog."""
+        todo = [r for r in requests if isinstance(r, Request)]
+        jobs = [todo[i::self.settings.worker_threads] for i in range(min(len(todo), self.settings.worker_threads))]
+        done = await asyncio.gather(*(self.workers.in_thread(_prepare_each, self.policy, job) for job in jobs))
+        errors = {id(r): e for job, outcome in zip(jobs, done) for r, e in zip(job, outcome) if e is not None}
+        return [api_error(errors[id(r)], in_request_body) if id(r) in errors else r for r in requests]
 
     async def infer(self, request: Request, in_request_body: bool):
         """Prepares, queues and runs one request. Returns the InferenceResult; its timings hold
         queue_ms and the model stages."""
+        return (await self.infer_many([request], in_request_body))[0]
+
+    async def infer_many(self, requests: list, in_request_body: bool, per_item_errors: bool = False) -> list:
+        """Prepares, queues and runs requests (an ApiError in the list stands for an item already
+        refused). The prepared ones are queued as one group, so B of them fill batches up to the
+        batch limit (more than the limit: several batches). Returns one InferenceResult per request;
+        with `per_item_errors`, an item that fails gets its ApiError in its place, else the first
+        failure is raised."""
         started = time.perf_counter()
-        await self.prepare(request, in_request_body)
-        prepared = time.perf_counter()
-        try:
+        prepared = await self.prepare(requests, in_request_body)
+        ready = [r for r in prepared if isinstance(r, Request)]
+        prepared_at = time.perf_counter()
+        outcomes = {}
+        if ready:
+            try:
+                futures = self.batcher.submit_many(ready)
+            except BatcherClosed as e:
+                raise ApiError(503, "shutting_down", str(e)) from None
             with self.metrics.in_flight.track_inprogress():
-                result = await self.batcher.submit(request)
-            result.timings["prepare_ms"] = (prepared - started) * 1e3
-            result.timings["handback_ms"] = ms_since(result.timings.pop("done_at"))
-            return result
-        except BatcherClosed as e:
-            raise ApiError(503, "shutting_down", str(e)) from None
-        except InvalidInput as e:
-            raise api_error(e, in_request_body) from None
-        except NonFiniteActions as e:
-            raise ApiError(422, "non_finite_actions", str(e)) from None
-        except Exception:  # the batcher logged it, with its traceback
-            raise ApiError(500, "internal_error", "inference failed; see the server log") from None
+                done = await asyncio.gather(*futures, return_exceptions=True)
+            outcomes = {id(r): outcome for r, outcome in zip(ready, done)}
+        results = []
+        for item in prepared:
+            outcome = item if isinstance(item, ApiError) else self._outcome(outcomes[id(item)], in_request_body)
+            if isinstance(outcome, ApiError):
+                if not per_item_errors:
+                    raise outcome
+            else:
+                outcome.timings["prepare_ms"] = (prepared_at - started) * 1e3
+                outcome.timings["handback_ms"] = ms_since(outcome.timings.pop("done_at"))
+            results.append(outcome)
+        return results
+
+    @staticmethod
+    def _outcome(outcome, in_request_body: bool):
+        """An InferenceResult, or the ApiError its failure is answered with."""
+        if not isinstance(outcome, BaseException):
+            return outcome
+        if isinstance(outcome, BatcherClosed):
+            return ApiError(503, "shutting_down", str(outcome))
+        if isinstance(outcome, InvalidInput):
+            return api_error(outcome, in_request_body)
+        if isinstance(outcome, NonFiniteActions):
+            return ApiError(422, "non_finite_actions", str(outcome))
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+        return ApiError(500, "internal_error", "inference failed; see the server log")  # the batcher logged it
 
     async def generate(self, body, started: float, msgpack_response: bool,
-                       client: object = None) -> tuple[Generation, object, dict]:
-        """Validates a /v1 request body and runs it. Returns the request, the InferenceResult and
-        the timings so far (decode, queue, model stages). `client`: the connection it came on."""
-        generation = parse_generation(body, self.identity, self.layout, msgpack_response)
-        generation.request.client = client
+                       client: object = None) -> tuple[Generation, list, dict]:
+        """Validates a /v1 request body and runs it. Returns the request, one InferenceResult per
+        observation (an ApiError for an item of a batch that failed) and the timings so far (decode,
+        queue, model stages: a batch's slowest item's). `client`: the connection it came on."""
+        generation = parse_generation(body, self.identity, self.layout, msgpack_response, self.action_shape)
+        for request in generation.requests:
+            if isinstance(request, Request):
+                request.client = client
         timings = {"decode_ms": ms_since(started)}
-        result = await self.infer(generation.request, in_request_body=True)
-        timings["queue_ms"] = result.timings["queue_ms"]
-        timings.update({k: result.timings[k] for k in MODEL_STAGES if k in result.timings})
-        return generation, result, timings
+        results = await self.infer_many(generation.requests, in_request_body=True,
+                                        per_item_errors=generation.batched)
+        answered = [r for r in results if not isinstance(r, ApiError)]
+        for key in ("queue_ms", *MODEL_STAGES):
+            values = [r.timings[key] for r in answered if key in r.timings]
+            if values:
+                timings[key] = max(values)
+        return generation, results, timings
 
-    def reply(self, generation: Generation, result, timings: dict, started: float) -> dict:
+    def reply(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
         """The response body. `encode_ms` covers converting the actions to their wire form; the final
         serialization of the body follows the timings it contains, so it can't be in them."""
         encode_start = time.perf_counter()
-        actions = result.actions
-        values = actions if generation.output_format == "numpy" else actions.tolist()
+        h = generation.action_horizon
+        actions = [None if isinstance(r, ApiError) else r.actions[:h] for r in results]
+        values = [a if a is None or generation.output_format == "numpy" else a.tolist() for a in actions]
         timings["encode_ms"] = ms_since(encode_start)
         timings["total_ms"] = ms_since(started)
         self.metrics.observe_stages(timings)
+        answered = [r for r in results if not isinstance(r, ApiError)]
         if generation.response_format == "raw":
-            server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms")}
-            return {"actions": values, "server_timing": server, "policy_timing": policy_timing(result.timings)}
+            server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms") if k in timings}
+            body = {"server_timing": server}
+            if answered:
+                body["policy_timing"] = policy_timing(answered[-1].timings)
+            if not generation.batched:
+                body["actions"] = values[0]
+            elif len(answered) == len(results):  # [B, H, D]
+                stacked = np.stack(actions)
+                body["actions"] = stacked if generation.output_format == "numpy" else stacked.tolist()
+            else:  # an item failed: its actions are null, its error is in `errors`
+                body["actions"] = values
+                body["errors"] = [r.body()["error"] if isinstance(r, ApiError) else None for r in results]
+            return body
+        data = []
+        for i, (result, value, array) in enumerate(zip(results, values, actions)):
+            item = {"index": i, "input_index": i, "candidate_index": 0}
+            if isinstance(result, ApiError):
+                item.update(result.body())
+            else:
+                item["action"] = {"type": "continuous", "values": value, "shape": list(array.shape),
+                                  "dtype": str(array.dtype)}
+            data.append(item)
+        shape = next((a.shape for a in actions if a is not None), (0, 0))
         body = {
             "id": f"actgen-{uuid.uuid4().hex}",
             "object": "action.generation",
             "created": int(time.time()),
             "model": self.identity["model"],
-            "data": [{"index": 0, "action": {"values": values, "shape": list(actions.shape),
-                                             "dtype": str(actions.dtype)}}],
+            "data": data,
+            "usage": {"batch_size": len(results), "action_horizon": shape[0], "action_dim": shape[1],
+                      "denoise_steps": self._steps(generation)},
         }
-        if result.warnings:
-            body["warnings"] = result.warnings
+        warnings = sorted({w for r in answered for w in r.warnings})
+        if warnings:
+            body["warnings"] = warnings
         if generation.return_timing:
             body["timings"] = {k: timings[k] for k in
                                ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "total_ms")
                                if k in timings}
         return body
+
+    def _steps(self, generation: Generation) -> int:
+        request = next((r for r in generation.requests if isinstance(r, Request)), None)
+        return (request.num_steps if request is not None and request.num_steps else
+                self.identity["num_inference_steps"])
+
+
+def _prepare_each(policy, requests: list[Request]) -> list[InvalidInput | None]:
+    """One worker job: prepares requests in turn; each one's InvalidInput (None when it is fine)."""
+    errors = []
+    for request in requests:
+        try:
+            policy.prepare(request)
+            errors.append(None)
+        except InvalidInput as e:
+            errors.append(e)
+    return errors

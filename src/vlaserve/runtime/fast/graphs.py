@@ -163,20 +163,23 @@ class FastRunner:
 
     @torch.no_grad()
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
-               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None):
+               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None, graphs: bool = True):
         """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
         next call overwrites in stream order; its EventTimes). Nothing here waits for the device.
 
         `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
-        how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP)."""
+        how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP).
+        `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor padded."""
         b, token_len = inputs.tokens.shape
-        target = next((s for s in self._sizes if s >= b), b) if self.frozen and b not in self._sizes else b
+        padded = graphs and self.frozen and b not in self._sizes
+        target = next((s for s in self._sizes if s >= b), b) if padded else b
         if target != b:  # a ladder: run at the next captured size, the last item repeated, and keep b rows
             self.padded_calls += 1
             p_inputs, p_noise, p_rtc, p_prefix = _padded(target, inputs, noise, rtc, prefix)
             out, times = self.launch(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
             return out[:b], times
         buf = self.buffers(b, token_len)
+        graphs = graphs and self.use_graphs
         if vision_slots is None:
             vision_slots = inputs.vision_slots()
         if prefix is None:
@@ -196,9 +199,9 @@ class FastRunner:
                 buf["pad"].copy_(self.fast.state_token(buf["state"], buf["pad"][:, :plen], buf["k_cache"],
                                                        buf["v_cache"]))
         else:
-            self._prefix(buf, vision_slots, self.use_graphs)
+            self._prefix(buf, vision_slots, graphs)
         mid.record()
-        out = self._denoise(buf, num_steps, static_rtc, self.use_graphs)
+        out = self._denoise(buf, num_steps, static_rtc, graphs)
         end.record()
         self._last = buf
         return out, EventTimes(start, mid, end)
