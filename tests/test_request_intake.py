@@ -76,14 +76,21 @@ def post(client, payload: dict, as_json: bool = False):
     return client.post(GENERATIONS, content=msgpack_numpy.packb(payload), headers={"Content-Type": MSGPACK})
 
 
+def reply(response) -> dict:
+    """The reply as a client reads it: a msgpack body answers in msgpack (SGLang's rule), JSON in JSON."""
+    if response.headers["content-type"].startswith(MSGPACK):
+        return msgpack_numpy.unpackb(response.content)
+    return response.json()
+
+
 def actions(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return np.asarray(response.json()["data"][0]["action"]["values"], dtype=np.float32)
+    assert response.status_code == 200, response.content[:300]
+    return np.asarray(reply(response)["data"][0]["action"]["values"], dtype=np.float32)
 
 
 def error(response, status: int = 422) -> dict:
-    assert response.status_code == status, response.text
-    return response.json()["error"]
+    assert response.status_code == status, response.content[:300]
+    return reply(response)["error"]
 
 
 def reference(client, pixels: dict) -> np.ndarray:
