@@ -35,6 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "client" / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -179,7 +180,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "client" / "src"), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "vlaserve.cli", args.command, str(checkpoint), "--device", args.device,
                "--port", str(port), "--warmup", "blocking", *args.serve_args.split()]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -36,6 +36,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "client" / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -208,7 +209,7 @@ def main() -> None:
     # Blocking warm-up for the baseline too: /healthz then means the CUDA graphs are captured, as a
     # Ray replica's readiness does, so no eager call is timed.
     common = ["--device", args.device, "--warmup", "blocking", *args.serve_args.split()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "client" / "src"), os.environ.get("PYTHONPATH")]))}
     # The same torch threads in the baseline as in a Ray replica (Ray sets a replica's
     # OMP_NUM_THREADS to its CPUs unless set), so the difference is the serving path, not the arithmetic.
     env["OMP_NUM_THREADS"] = str(max(1, int(args.cpus_per_replica)))

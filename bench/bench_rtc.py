@@ -50,8 +50,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "client" / "src"))
 
-from vlaserve.client import ActionChunkExecutor, Client  # noqa: E402
+from vlaserve_client import ActionChunkExecutor, Client  # noqa: E402
 
 MODES = ("sync", "async", "async+rtc")
 
@@ -65,7 +66,7 @@ def free_port() -> int:
 # ---- the server and a delaying relay ------------------------------------------------------------
 def start_server(checkpoint: str | None, port: int, log_path: Path) -> subprocess.Popen:
     args = [] if checkpoint in (None, "demo") else [checkpoint]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "client" / "src"), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vlaserve.cli", "serve", *args, "--device", "cpu",
                                  "--dtype", "float32", "--port", str(port)],

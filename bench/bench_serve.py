@@ -30,6 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "client" / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
@@ -97,7 +98,7 @@ def main() -> None:
         log(f"checkpoint written in {results['write_s']:.1f} s")
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "client" / "src"), os.environ.get("PYTHONPATH")]))}
     if args.cold:
         # As after a reboot: weights not in the page cache, no compiled Triton kernels.
         from bench_memory import evict_from_page_cache

@@ -1,4 +1,4 @@
-"""vlaserve.client.Client / AsyncClient against the scripted fake server (tests/client_fakes.py)."""
+"""vlaserve_client.Client / AsyncClient against the scripted fake server (tests/client_fakes.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from client_fakes import ACTION_DIM, HORIZON, FakeServer, Scripted, chunk
 
-from vlaserve.client import AsyncClient, AuthenticationError, Client, ConnectionLost, RtcNotSupported, ServerError
+from vlaserve_client import AsyncClient, AuthenticationError, Client, ConnectionLost, RtcNotSupported, ServerError
 
 OBS = {"images": {"base_0_rgb": np.zeros((4, 4, 3), np.uint8)}, "state": np.arange(3, dtype=np.float32),
        "task": "stack the cups"}
@@ -159,19 +159,19 @@ def test_async_client(server):
 
 def test_client_import_never_imports_torch():
     """A robot installs the client without torch: importing it and running an exchange pulls in
-    neither torch nor the server (fastapi, vlaserve.server)."""
+    neither torch nor the server (fastapi, vlaserve). Only client/src is on the path, as in a robot's
+    venv (tests/test_dependencies.py installs it into one)."""
     tests = Path(__file__).resolve().parent
     script = (
         "import sys\n"
-        "from vlaserve.client import Client, ActionChunkExecutor\n"
+        "from vlaserve_client import Client, ActionChunkExecutor\n"
         "from client_fakes import FakeServer, chunk\n"
         "with FakeServer() as s, Client(s.url) as c:\n"
         "    assert (c.infer({'images': {}, 'state': [0.0], 'task': 't'}).actions == chunk(1)).all()\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'pydantic')"
-        " or m.startswith('vlaserve.server'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'pydantic', 'vlaserve'))\n"
         "assert not bad, bad\n"
         "print('ok')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "client" / "src"), str(tests)])}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
