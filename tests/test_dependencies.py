@@ -28,10 +28,10 @@ INSTALLED_BESIDE = {
     "openpi-client": ("README.md", "pip install --no-deps openpi-client==0.1.2"),
     "lerobot": ("bench/prepare_device.sh", "lerobot==0.6.1"),
 }
-# Modules whose distributions a CPU machine with Python 3.11 does not get (CUDA-only wheels; lerobot needs
-# Python 3.12), so its metadata cannot map them: module -> distribution. `nvidia` is the namespace of
-# the CUDA libraries that torch's CUDA builds depend on.
-NOT_INSTALLED_ON_CPU = {
+# Module -> distribution, for the modules that the test install does not bring, so that this machine's
+# metadata cannot map them: the CUDA-only wheels, lerobot (Python >= 3.12), and the bench extra's plots and
+# GPU counters. `nvidia` is the namespace of the CUDA libraries that torch's CUDA builds depend on.
+NOT_INSTALLED_FOR_TESTS = {
     "quack": "quack-kernels", "cutlass": "nvidia-cutlass-dsl", "flash_attn": "flash-attn-4",
     "fa3_fwd_interface": "fa3-fwd", "lerobot": "lerobot", "pynvml": "nvidia-ml-py", "matplotlib": "matplotlib",
     "nvidia": "torch",
@@ -97,8 +97,8 @@ def undeclared(sources: dict[str, str], requirements: list[str], where: str) -> 
         for module in sorted(third_party_imports(source)):
             if module in installed:
                 distributions = {normalize(d) for d in installed[module]}
-            elif module in NOT_INSTALLED_ON_CPU:
-                distributions = {NOT_INSTALLED_ON_CPU[module]}
+            elif module in NOT_INSTALLED_FOR_TESTS:
+                distributions = {NOT_INSTALLED_FOR_TESTS[module]}
             else:
                 problems.append(f"{name} imports {module}, which is not installed here, so its distribution "
                                 f"is unknown: declare it in {where} and install it")
