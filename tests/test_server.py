@@ -532,6 +532,7 @@ def test_health_metrics_and_docs(server, http):
 
 
 # ---- shutdown -----------------------------------------------------------------------------------
+@pytest.mark.slow  # a server of its own and a 100-step request
 def test_sigterm_finishes_the_in_flight_request_then_exits_0(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     try:
