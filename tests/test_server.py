@@ -343,6 +343,7 @@ def batch_histogram(http: httpx.Client) -> tuple[float, float]:
     return ones, total
 
 
+@pytest.mark.slow  # 16 concurrent clients; tests/test_server_batcher.py checks batching in process
 def test_concurrent_clients_get_their_own_answers(server, http, golden_policy):
     n = 16
     observations = [make_observation(100 + i) for i in range(n)]
