@@ -46,7 +46,7 @@ import numpy as np
 
 from common import (free_port, golden_checkpoint, parser, pyplot, save_json, save_png, start_server, stop_server,
                     wait_until_healthy)
-from vlaserve.client import ActionChunkExecutor, Client
+from vlaserve_client import ActionChunkExecutor, Client
 
 MODES = ("sync", "async", "async+rtc")
 

@@ -1,7 +1,7 @@
 """What the benchmarks share: the workload, timing, random models and checkpoints, servers, output.
 
 Each benchmark is a script (`python bench/NAME.py --help`); this module puts the repository's
-`src/` and `tests/` (the golden fixtures) on sys.path, so the scripts run from a plain checkout.
+`src/`, `client/src/` and `tests/` (the golden fixtures) on sys.path, so the scripts run from a plain checkout.
 
 The workload ("ALOHA-3"): 3 cameras of 224x224, prompts padded to 200 tokens (70 valid), a chunk of
 50 x 32 actions, 10 flow steps. `--smoke` runs the same code on the CPU with the golden test
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "client" / "src"), str(ROOT / "tests")]
 
 from fixtures import fixture_dir  # noqa: E402  (stdlib only: unpacks tests/data's golden fixtures)
 from vlaserve.checkpoint.weights import to_lerobot_name  # noqa: E402
@@ -301,8 +301,8 @@ def free_port() -> int:
 
 
 def server_env(**extra: str) -> dict:
-    """The environment of a `vlaserve` child process: this tree's src/ first on PYTHONPATH."""
-    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    """The environment of a `vlaserve` child process: this tree's src/ and client/src/ first on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "client" / "src"), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 

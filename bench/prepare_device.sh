@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what the GPU benches need on a machine with no network: run here, then carry the wheels
-# to the GPU machine (carry [".whl"]; the golden fixtures travel in tests/data) and run there
-#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
+# to the GPU host (with the checkout; the golden fixtures are in tests/data) and run there
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src:client/src
 #   python3 bench/bench_gpu.py --lerobot   # or bench_pi0_gpu.py --lerobot, bf16_error.py, bench_serve.py, bench_fleet.py
 # .whl: LeRobot 0.6.1 with the versions it needs (transformers 5.4-5.5, not the GPU image's newer one),
 # the server's packages (fastapi, uvicorn, websockets, openpi-client) that the GPU image lacks, and

@@ -6,7 +6,7 @@
 # Run here, then carry [".rayship", ".whl_serve"] and on the GPU machine:
 #   mkdir -p /tmp/site && tar -xJf .rayship/ray-slim.tar.xz -C /tmp/site && \
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .rayship/*.whl .whl_serve/*.whl && \
-#   export PYTHONPATH=/tmp/site:src && python3 bench/bench_ray.py --device cuda --replicas 1
+#   export PYTHONPATH=/tmp/site:src:client/src && python3 bench/bench_ray.py --device cuda --replicas 1
 # What was removed was checked against a full install on this machine: bench_ray.py ran with the same
 # removals and no process imported a removed module. grpcio-reflection matches the image's grpcio (1.84).
 set -euo pipefail

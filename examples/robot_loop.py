@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from vlaserve.client import ActionChunkExecutor, Client
+from vlaserve_client import ActionChunkExecutor, Client
 
 
 class Robot:

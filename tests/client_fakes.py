@@ -19,7 +19,7 @@ from http import HTTPStatus
 import numpy as np
 from websockets.asyncio.server import serve
 
-from vlaserve.client.codec import packb, unpackb
+from vlaserve_client.codec import packb, unpackb
 
 HORIZON, ACTION_DIM = 20, 2
 

@@ -1,9 +1,10 @@
-"""vlaserve.client.Client / AsyncClient against the scripted fake server (tests/client_fakes.py)."""
+"""vlaserve_client.Client / AsyncClient against the scripted fake server (tests/client_fakes.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from client_fakes import ACTION_DIM, HORIZON, FakeServer, Scripted, chunk
 
-from vlaserve.client import AsyncClient, AuthenticationError, Client, ConnectionLost, RtcNotSupported, ServerError
+from vlaserve_client import AsyncClient, AuthenticationError, Client, ConnectionLost, RtcNotSupported, ServerError
 
 OBS = {"images": {"base_0_rgb": np.zeros((4, 4, 3), np.uint8)}, "state": np.arange(3, dtype=np.float32),
        "task": "stack the cups"}
@@ -157,23 +158,57 @@ def test_async_client(server):
     assert error.field == "rtc.prev_chunk"
 
 
+NO_TORCH_EXCHANGE = (
+    "import sys\n"
+    "from vlaserve_client import AsyncClient, Client, ActionChunkExecutor\n"
+    "from client_fakes import FakeServer, chunk\n"
+    "with FakeServer() as s, Client(s.url) as c:\n"
+    "    assert (c.infer({'images': {}, 'state': [0.0], 'task': 't'}).actions == chunk(1)).all()\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'pydantic', 'vlaserve'))\n"
+    "assert not bad, bad\n"
+    "import vlaserve_client\n"
+    "print(vlaserve_client.__file__)\n")
+
+
+def exchange_without_torch(python: str, path: list[Path]) -> Path:
+    """Runs one exchange with the fake server in a fresh interpreter with only `path` added to its
+    sys.path; returns where vlaserve_client was imported from."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
+    out = subprocess.run([python, "-c", NO_TORCH_EXCHANGE], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=path[-1])
+    assert out.returncode == 0, out.stderr
+    return Path(out.stdout.strip())
+
+
 def test_client_import_never_imports_torch():
     """A robot installs the client without torch: importing it and running an exchange pulls in
-    neither torch nor the server (fastapi, vlaserve.server)."""
+    neither torch nor the server (fastapi, vlaserve). Only client/src is on the path."""
     tests = Path(__file__).resolve().parent
-    script = (
-        "import sys\n"
-        "from vlaserve.client import Client, ActionChunkExecutor\n"
-        "from client_fakes import FakeServer, chunk\n"
-        "with FakeServer() as s, Client(s.url) as c:\n"
-        "    assert (c.infer({'images': {}, 'state': [0.0], 'task': 't'}).actions == chunk(1)).all()\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastapi', 'pydantic')"
-        " or m.startswith('vlaserve.server'))\n"
-        "assert not bad, bad\n"
-        "print('ok')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    origin = exchange_without_torch(sys.executable, [tests.parent / "client" / "src", tests])
+    assert origin == tests.parent / "client" / "src" / "vlaserve_client" / "__init__.py"
+
+
+@pytest.mark.slow
+def test_vlaserve_client_installs_into_a_venv_without_torch(tmp_path):
+    """`pip install ./client` (docs/client.md) into a fresh venv: the distribution brings numpy,
+    msgpack and websockets, not torch, and an exchange runs from the installed copy."""
+    tests = Path(__file__).resolve().parent
+    # Built from a copy, so the build leaves nothing in the checkout.
+    source = shutil.copytree(tests.parent / "client", tmp_path / "client",
+                             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    venv = tmp_path / "robot"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([python, "-m", "pip", "install", "-q", str(source)], capture_output=True, text=True,
+                             env=env, timeout=600)
+    assert install.returncode == 0, install.stderr
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                            env=env, timeout=120).stdout
+    installed = {line.split("==")[0].lower() for line in listed.split()}
+    assert {"vlaserve-client", "numpy", "msgpack", "websockets"} <= installed and "torch" not in installed, listed
+    origin = exchange_without_torch(python, [tests])
+    assert origin.is_relative_to(venv), origin
 
 
 def _free_port() -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from client_fakes import HORIZON, FakeClock, FakeServer, Scripted, chunk, decode, wait_until
 
-from vlaserve.client import ActionChunkExecutor, Client, ExecutorError
+from vlaserve_client import ActionChunkExecutor, Client, ExecutorError
 
 HZ, H, EXEC_H, TRIGGER = 50.0, HORIZON, 8, HORIZON - 8
 FAST = {"backoff_initial": 0.01, "backoff_max": 0.05}

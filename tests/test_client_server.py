@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from vlaserve.client import ActionChunkExecutor, AuthenticationError, Client, ServerError
+from vlaserve_client import ActionChunkExecutor, AuthenticationError, Client, ServerError
 
 API_KEY = "robot-key"
 

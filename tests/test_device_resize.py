@@ -81,6 +81,7 @@ def test_prefix_cache_tells_deferred_frames_apart():
     assert len(keys) == 4
 
 
+@pytest.mark.slow  # every golden case again; test_deferred_resize_gives_the_same_actions is the quick one
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
 def test_golden_cases_with_deferred_resize(deferring, case_dir):
     """The golden resize cases (float frames of 180x320 and 480x640) resized in processing.prepare.to_device."""

@@ -154,6 +154,7 @@ def test_row6_a_16_mb_task_is_refused_before_tokenizing(server, http):
 
 
 # ---- row 7: a 48 MB JSON body does not stall the loop -----------------------------------------------------
+@pytest.mark.slow  # decodes 48 MB of JSON
 def test_row7_health_answers_while_a_48_mb_json_image_decodes(server, http):
     row = b"[" + b",".join([b"[255,255,255]"] * 2000) + b"]"
     image = b"[" + b",".join([row] * 1900) + b"]"
@@ -177,6 +178,7 @@ def test_row7_health_answers_while_a_48_mb_json_image_decodes(server, http):
 
 
 # ---- row 8: shutdown answers in-flight websocket requests -------------------------------------------------
+@pytest.mark.slow  # two 100-step requests in flight
 def test_row8_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     obs, noise = make_observation(7, cameras=("base_0_rgb",), size=(24, 24)), make_noise(7)

@@ -26,6 +26,7 @@ def shapes_of(model_config: ModelConfig) -> dict:
     return {name: tuple(p.shape) for name, p in build_model(model_config).named_parameters()}
 
 
+@pytest.mark.slow  # every golden case under every profile, twice
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_profile_gives_the_same_actions_for_the_same_noise(golden, dtype):
     policies = {name: Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype=dtype, progress=False,

@@ -37,8 +37,8 @@ HORIZON, MODEL_DIM, STATE_DIM = 50, 32, 14
 ROBOT_HEADER = "x-robot-id"
 BOUND_S = 120  # a bound on waiting for Ray (replacing a replica), never an assertion on speed
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(
+    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning", "ignore::DeprecationWarning")]
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from test_ray import API_KEY, ATOL, free_port, make_noise, make_observation, ope
 from vlaserve.fleet.command import fleet_options  # noqa: E402
 from vlaserve.fleet.replica import build  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

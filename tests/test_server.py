@@ -344,6 +344,7 @@ def batch_histogram(http: httpx.Client) -> tuple[float, float]:
     return ones, total
 
 
+@pytest.mark.slow  # 16 concurrent clients; tests/test_server_batcher.py checks batching in process
 def test_concurrent_clients_get_their_own_answers(server, http, golden_policy):
     n = 16
     observations = [make_observation(100 + i) for i in range(n)]
@@ -531,6 +532,7 @@ def test_health_metrics_and_docs(server, http):
 
 
 # ---- shutdown -----------------------------------------------------------------------------------
+@pytest.mark.slow  # a server of its own and a 100-step request
 def test_sigterm_finishes_the_in_flight_request_then_exits_0(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     try:

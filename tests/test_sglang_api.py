@@ -19,6 +19,7 @@ import websockets.sync.client as ws_client
 from openpi_client import msgpack_numpy
 
 from test_server import (ACTION_DIM, API_KEY, AUTH, CAMERAS, GENERATIONS, HORIZON, MODEL_DIM, MSGPACK, STATE_DIM,
+from vlaserve_client import BatchError, Client
                          ServerProcess, assert_actions, make_noise, make_observation)
 
 BATCH_LIMIT = 3  # the server's --max-batch-size: batches of B > 3 are split, never refused
@@ -321,8 +322,6 @@ def test_batch_with_mismatched_sizes_is_422_naming_the_field(http):
 
 
 def test_client_infer_batch(server, golden_policy):
-    from vlaserve.client import BatchError, Client
-
     observations = [small_observation(s) for s in range(60, 65)]
     noises = [make_noise(s) for s in range(60, 65)]
     with Client(server.ws_url, api_key=API_KEY) as client:

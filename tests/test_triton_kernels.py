@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # the interpreter runs every kernel program in Python: minutes on 2 cores
 
 SCRIPT = r'''
 import json, sys

@@ -4,7 +4,7 @@ Ray's proxy relays every websocket message to the replica and back: 3.4 ms per o
 the H200 host, 9-14 ms on two CPU cores (docs/benchmarks.md). With direct websockets a replica also
 serves its own app on a port of its own, on its own event loop task, and a websocket handshake that
 arrives through the proxy is answered with a redirect there (HTTP 307; the `websockets` client that
-openpi-client and vlaserve.client use follows it, carrying a ticket for the API key it drops on the
+openpi-client and vlaserve_client use follows it, carrying a ticket for the API key it drops on the
 way). HTTP requests still take the proxy. Robots must be able to reach the replica's host and port;
 Ray's proxy does not see them, so the replica reports them to the autoscaler (fleet/autoscale.py).
 """

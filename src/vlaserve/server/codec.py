@@ -19,7 +19,7 @@ import math
 import msgpack
 import numpy as np
 
-from ..client.codec import packb  # noqa: F401  (encoding is the one wire format both sides share)
+from vlaserve_client.codec import packb  # noqa: F401  (encoding is the one wire format both sides share)
 
 JSON_MEDIA_TYPE = "application/json"
 MSGPACK_MEDIA_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")

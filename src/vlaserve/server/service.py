@@ -171,7 +171,7 @@ class Service:
                 "openpi": {"path": ROUTES["openpi"], "also_at": "/", "encoding": "msgpack-numpy"},
             },
             "camera_aliases": self.settings.camera_aliases,
-            # What vlaserve.client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
+            # What vlaserve_client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
             "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
         }
 

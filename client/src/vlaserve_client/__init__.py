@@ -2,7 +2,7 @@
 runs action chunks at the control rate with real-time chunking (docs/client.md).
 
 Imports numpy, msgpack and websockets only (never torch, never the server), so it installs on a
-robot computer: `pip install --no-deps vlaserve && pip install numpy msgpack websockets`.
+robot computer as its own distribution, vlaserve-client (`pip install ./client` from a checkout).
 """
 
 from .aio import AsyncClient
