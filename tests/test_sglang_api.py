@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import websockets.sync.client as ws_client
 from openpi_client import msgpack_numpy
+from vlaserve_client import BatchError, Client
 
 from test_server import (ACTION_DIM, API_KEY, AUTH, CAMERAS, GENERATIONS, HORIZON, MODEL_DIM, MSGPACK, STATE_DIM,
-from vlaserve_client import BatchError, Client
                          ServerProcess, assert_actions, make_noise, make_observation)
 
 BATCH_LIMIT = 3  # the server's --max-batch-size: batches of B > 3 are split, never refused
