@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..model.pi05 import Pi05Model, PrefixContext, RTCGuidance
 from ..types import ModelInputs
 from .device import synchronize
+from .fast.targets import gpu_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 
@@ -154,7 +155,8 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        if runtime.fast_path and device.type == "cuda":
+        target = gpu_target(device) if runtime.fast_path and device.type == "cuda" else None
+        if target is not None:
             self._start_fast_path(model, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
