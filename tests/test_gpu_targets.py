@@ -18,6 +18,7 @@ import io
 import logging
 import re
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import torch
 from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig, load_policy_config
 from vlaserve.errors import ConfigError
 from vlaserve.runtime.fast import cute, flash, kernels, targets
+from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
 from vlaserve.runtime.runner import EagerRunner, Runtime
 
 triton = pytest.importorskip("triton")
@@ -328,3 +330,24 @@ def test_cute_libraries_are_refused_off_hopper_and_datacenter_blackwell(monkeypa
 def test_cute_libraries_pass_the_gpu_check_on_hopper(monkeypatch):
     fake_gpu(monkeypatch, "NVIDIA H200", (9, 0))
     targets.require_cute(torch.device("cuda"), "gemm_library 'quack'", "--gemm-library cublas")
+
+
+@pytest.mark.parametrize("integrated", [True, False])
+def test_a_jetson_budget_is_its_free_memory_shared_with_pinned_layers(monkeypatch, integrated):
+    # A 64 GB board (mem_get_info's total is the whole board's RAM) with 20 GB free as the OS sees it.
+    free, board = 20 * GIB, 64 * GIB
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free, board))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(is_integrated=integrated))
+    budget = cuda_budget(torch.device("cuda"))
+    assert budget.usable == free  # never the board's 64 GB
+    assert budget.shared_with_host is integrated and ("integrated GPU" in budget.source) is integrated
+    # offload on a 15 GB device estimate with 6 GB of layers pinned in host memory: on an integrated
+    # GPU both come out of the same 20 GB (21 GB needed); on a discrete one only the 15 GB counts.
+    offload = MemoryEstimate("offload", 1, weights=10 * GIB, offload_slots=GIB, kv_and_buffers=GIB,
+                             activations=2 * GIB, headroom=GIB, host_pinned=6 * GIB)
+    assert offload.total == 15 * GIB
+    assert budget.fits(offload) is not integrated

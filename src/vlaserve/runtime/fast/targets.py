@@ -104,40 +104,43 @@ def _override(table: dict, **families) -> dict:
     return out
 
 
-# 163 KB: every sm90 entry fits as it is (the largest, batch 8's 128-query attention tile, takes
-# 144 KB with pointer loads); the table differs from sm90 only by running without TMA and PDL.
+# Without TMA (sm80-89) the attention's q / k / v tiles pass through registers on their way to
+# shared memory: at 4 warps a 64-query tile, and at 8 warps a 128-query one, spill (128 and 84-252
+# bytes a thread); 64 queries on 8 warps do not. So these tables take 64-query tiles on 8 warps
+# (sm120 runs the sm89 table with TMA: the same 68 KB, no spills).
+_ATTENTION_8_WARPS = {"block_m": 64, "warps": 8}
+
+# 163 KB: the sm90 GEMM configurations fit as they are (batch 1's split-K GEMM, the largest, takes
+# 144 KB); the attention as above, 64-key tiles (104 KB).
 _SM80 = copy.deepcopy(_SM90)
 
 # 99 KB. Triton keeps stages - 1 tiles of a GEMM's operands in shared memory: (stages - 1) x (row
 # tile + column tiles) x BLOCK_K x 2 bytes. Batch 1's split-K GEMM (64 + 32) x 256 x 2 = 48 KB a
 # stage: 3 stages (96 KB), not 4; GeGLU (64 + 2 x 32) x 128 x 2 = 32 KB: 4 stages, not 5; the
-# 128-row split-K tiles (128 + 64) x 128 x 2 = 48 KB: 3 stages. The attention keeps q [BLOCK_M, 256]
-# and pipelined k / v tiles: 64 queries and 32 keys a tile (64-key tiles take 104 KB), and 64-query
-# tiles where sm90 takes 128 (batch 8, and the prefix from batch 2).
-_ATTENTION_99KB = {"block_m": 64, "block_t": 32, "warps": 4, "stages": 2}
+# 128-row split-K tiles (128 + 64) x 128 x 2 = 48 KB: 3 stages. The attention takes 32-key tiles
+# (68 KB; 64-key tiles take 104 KB).
 _SM89 = _override(
     _SM90,
     splitk={"stages": 3},
     geglu={"stages": 4},
-    attention=_ATTENTION_99KB,
-    prefix_attention=_ATTENTION_99KB,
     batched={200: {"splitk": {"stages": 3}}, 400: {"splitk": {"stages": 3}}},
 )
-for _cfg in (*_SM89["attention_batched"].values(), *_SM89["prefix_attention_batched"].values()):
-    _cfg.update(_ATTENTION_99KB)
+for _table, _keys in ((_SM80, 64), (_SM89, 32)):
+    for _cfg in (_table["attention"], *_table["attention_batched"].values(), _table["prefix_attention"],
+                 *_table["prefix_attention_batched"].values()):
+        _cfg.update(_ATTENTION_8_WARPS, block_t=_keys)
 
 LAUNCH_TABLES = {"sm90": _SM90, "sm80": _SM80, "sm89": _SM89}
 
 
 def target_for(capability: tuple[int, int]) -> Target | None:
     """The matrix's entry for a (major, minor) capability: its own, else the nearest lower one of
-    the same major (sm_86 for an unlisted 8.x above it; a newer GPU runs the resource-checked
-    code of its family's base); None below sm80."""
+    the same major (sm_103 runs sm100's), else the newest one below (a new major); None below sm80."""
     cap = capability[0] * 10 + capability[1]
     if cap < MIN_CAPABILITY:
         return None
     known = [c for c in TARGETS if c <= cap and c // 10 == capability[0]]
-    if not known:  # a new major: the newest entry below it
+    if not known:
         known = [c for c in TARGETS if c <= cap]
     return TARGETS[max(known)]
 
