@@ -26,6 +26,7 @@ import torch
 from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig, load_policy_config
 from vlaserve.errors import ConfigError
 from vlaserve.runtime.fast import cute, flash, kernels, targets
+from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
 from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
 from vlaserve.runtime.runner import EagerRunner, Runtime
 
@@ -129,7 +130,7 @@ def launches(target: targets.Target) -> list:
             if isinstance(value, JITFunction):
                 patch.setattr(kernels, name, Recorder(value, recorded))
         try:
-            targets.use(target)
+            use_launch_table(target)
             for b in BATCHES:
                 expert_step(b)
                 prefix(b)
@@ -261,7 +262,7 @@ def test_each_capability_maps_to_its_matrix_entry(capability, expected):
 def test_the_h200_keeps_its_table_and_features():
     # Bit-identical actions on sm90 need the committed table and TMA + PDL exactly as before.
     committed = {k: v for k, v in kernels.TUNING.items() if k not in ("pdl", "tma")}
-    assert committed == {k: v for k, v in targets.LAUNCH_TABLES["sm90"].items() if k not in ("pdl", "tma")}
+    assert committed == {k: v for k, v in LAUNCH_TABLES["sm90"].items() if k not in ("pdl", "tma")}
     assert kernels.TUNING["pdl"] is None and kernels.TUNING["tma"] is None  # auto: on from sm90
     assert targets.TARGETS[90].launch_table == "sm90"
     for cap in (90, 100, 110, 120):  # as kernels._hopper gates them: capability 9 or later
@@ -287,15 +288,17 @@ def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
 def test_startup_names_the_gpu_and_the_path(monkeypatch, caplog, tuning):
     fake_gpu(monkeypatch, "NVIDIA GeForce RTX 4090", (8, 9))
     with caplog.at_level(logging.INFO, logger="vlaserve.runtime.fast.targets"):
-        assert targets.gpu_target(torch.device("cuda")) is targets.TARGETS[89]
+        target = targets.choose_target(torch.device("cuda"))
+    assert target is targets.TARGETS[89]
     assert caplog.messages == ["GPU NVIDIA GeForce RTX 4090 (sm_89): fast path, sm89 launch table, no TMA, no PDL"]
+    use_launch_table(target)  # what Runtime does next, as it starts the fast path
     assert kernels.TUNING["splitk"]["stages"] == 3 and kernels.TUNING["pdl"] is False and kernels.TUNING["tma"] is False
     assert not kernels.pdl_enabled() and not kernels.tma_enabled()
 
     caplog.clear()
     fake_gpu(monkeypatch, "NVIDIA Jetson AGX Orin", (8, 7))
     with caplog.at_level(logging.INFO, logger="vlaserve.runtime.fast.targets"):
-        targets.gpu_target(torch.device("cuda"))
+        targets.choose_target(torch.device("cuda"))
     assert caplog.messages == ["GPU NVIDIA Jetson AGX Orin (sm_87): fast path, sm80 launch table, no TMA, no PDL; "
                                "memory shared with the CPU"]
 
