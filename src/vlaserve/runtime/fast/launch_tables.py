@@ -1,6 +1,7 @@
 """Launch tables per architecture family: the Triton kernels' tiles, warps and stages, by the
 shared memory a block may use (targets.py's matrix says which GPU takes which):
 - "sm90": the H200 sweeps' winners (kernels.TUNING as committed), for the 227 KB parts;
+- "sm100": sm90's for datacenter Blackwell and Thor (227 KB too), one entry changed;
 - "sm80": for 163 KB a block (A100, Jetson Orin), without TMA;
 - "sm89": for 99 KB a block (RTX 3090 / 4090 / 5090, L40S).
 The sm80 and sm89 tables are the sm90 table with what does not fit cut down by the resource model
@@ -59,7 +60,11 @@ for _table, _keys in ((_SM80, 64), (_SM89, 32)):
                  *_table["prefix_attention_batched"].values()):
         _cfg.update(_ATTENTION_8_WARPS, block_t=_keys)
 
-LAUNCH_TABLES = {"sm90": _SM90, "sm80": _SM80, "sm89": _SM89}
+# sm100 / sm110 (227 KB): every sm90 entry fits, but batch 4's 128 x 64 split-K tile on 8 warps
+# spills 28 bytes a thread there (ptxas for sm_100a / sm_110a); on 4 warps, as batch 8's, it does not.
+_SM100 = _override(_SM90, batched={200: {"splitk": {"warps": 4}}})
+
+LAUNCH_TABLES = {"sm90": _SM90, "sm100": _SM100, "sm80": _SM80, "sm89": _SM89}
 
 
 def use_launch_table(target: Target) -> None:

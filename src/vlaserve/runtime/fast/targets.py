@@ -73,8 +73,8 @@ TARGETS = {t.capability: t for t in (
     Target(87, "Jetson AGX Orin, Orin NX / Nano", "sm80", 163 * KB, integrated=True),
     Target(89, "RTX 4090, L40S, L4", "sm89", 99 * KB),
     Target(90, "H100, H200, GH200", "sm90", 227 * KB),
-    Target(100, "B200, GB200", "sm90", 227 * KB),
-    Target(110, "Jetson AGX Thor", "sm90", 227 * KB, integrated=True),
+    Target(100, "B200, GB200", "sm100", 227 * KB),
+    Target(110, "Jetson AGX Thor", "sm100", 227 * KB, integrated=True),
     Target(120, "RTX 5090, RTX PRO 6000", "sm89", 99 * KB),
 )}
 
