@@ -186,7 +186,8 @@ def cuda_budget(device: torch.device) -> DeviceBudget:
     # shares, and `free` what the OS can still give (targets.py's matrix marks these boards).
     integrated = torch.cuda.get_device_properties(index).is_integrated
     if integrated:
-        source += " (integrated GPU: the board's memory, shared with the CPU; counted as free, not total)"
+        source += (" (integrated GPU: the board's memory, shared with the CPU: free memory counts, not the total, "
+                   "and layers pinned in host memory count against it too)")
     # torch has the getter since 2.6 (2.11 and 2.13 both do); without it no cap can be read.
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(index) if get_fraction is not None else 1.0
