@@ -28,9 +28,12 @@ def test_library_choices_are_validated(option, default, value, module, package):
 
 
 @pytest.mark.parametrize("option, default, value, module, package", LIBRARIES)
-def test_a_missing_library_says_how_to_install_it(option, default, value, module, package):
+def test_a_missing_library_says_how_to_install_it(option, default, value, module, package, monkeypatch):
     if importlib.util.find_spec(package) is not None:
         pytest.skip(f"{package} is installed here")
+    # On a GPU the libraries support (elsewhere the GPU is refused first: tests/test_gpu_targets.py)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     with pytest.raises(ConfigError, match=rf"{option} '{value}' needs .*pip install 'vlaserve\[cute\]'"):
         module.require(torch.device("cuda"))
 

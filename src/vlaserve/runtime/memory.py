@@ -163,6 +163,10 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
 class DeviceBudget:
     usable: int  # bytes this process may still allocate on the device
     source: str  # where the number comes from, for messages
+    shared_with_host: bool = False  # an integrated GPU (Jetson): pinned host memory comes out of `usable` too
+
+    def fits(self, needed: MemoryEstimate) -> bool:
+        return needed.total + (needed.host_pinned if self.shared_with_host else 0) <= self.usable
 
 
 def given_budget(usable: int) -> DeviceBudget:
@@ -178,6 +182,12 @@ def cuda_budget(device: torch.device) -> DeviceBudget:
     allocated = torch.cuda.memory_allocated(index)
     usable = free + torch.cuda.memory_reserved(index) - allocated
     source = f"{gib(free)} free of {gib(total)} on cuda:{index}"
+    # An integrated GPU (Jetson) has no memory of its own: `total` is the board's RAM, which the CPU
+    # shares, and `free` what the OS can still give (targets.py's matrix marks these boards).
+    integrated = torch.cuda.get_device_properties(index).is_integrated
+    if integrated:
+        source += (" (integrated GPU: the board's memory, shared with the CPU: free memory counts, not the total, "
+                   "and layers pinned in host memory count against it too)")
     # torch has the getter since 2.6 (2.11 and 2.13 both do); without it no cap can be read.
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(index) if get_fraction is not None else 1.0
@@ -186,7 +196,7 @@ def cuda_budget(device: torch.device) -> DeviceBudget:
         cap = int(fraction * total)
         usable = min(usable, cap - allocated)
         source += f", per-process cap {gib(cap)} ({fraction:.1%})"
-    return DeviceBudget(max(usable, 0), source)
+    return DeviceBudget(max(usable, 0), source, shared_with_host=integrated)
 
 
 def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
@@ -194,11 +204,11 @@ def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype
               fast_path: bool = True, graph_batches: str = "all") -> MemoryEstimate:
     """The estimate, if it fits `budget`; else InsufficientMemory naming the numbers and the profiles that fit."""
     needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path, graph_batches)
-    if needed.total <= budget.usable:
+    if budget.fits(needed):
         return needed
     others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path, graph_batches) for p in PROFILES.values()
               if p is not profile]
-    fitting = [e for e in others if e.total <= budget.usable]
+    fitting = [e for e in others if budget.fits(e)]
     if fitting:
         options = ", ".join(f"{e.profile} (about {gib(e.total)})" for e in fitting)
         advice = (f"Profiles that fit: {options}; start with --memory-profile {fitting[0].profile} "

@@ -30,6 +30,7 @@ from ..model.rtc import RTCGuidance
 from ..processing.prepare import to_device
 from ..types import ModelInputs
 from .device import synchronize
+from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 
@@ -157,15 +158,19 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        if runtime.runs_fast_path(device.type):
-            self._start_fast_path(model, background=runtime.warmup == "background")  # both families
+        target = choose_target(device) if runtime.runs_fast_path(device.type) else None
+        if target is not None:
+            self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
 
-    def _start_fast_path(self, model: Pi05Model, background: bool) -> None:
+    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
         from .fast.graphs import FastRunner
+        from .fast.launch_tables import use_launch_table
+
+        use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library)

@@ -24,6 +24,7 @@ import importlib.metadata
 import torch
 
 from ...errors import ConfigError
+from . import targets
 
 GEGLU, GELU = "vlaserve_geglu", "vlaserve_gelu"
 # The fewest rows (tokens of the whole batch) from which quack's kernel beat cuBLAS's (+ our pass),
@@ -39,13 +40,14 @@ PINNED = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.8.1"}
 
 
 def require(device: torch.device) -> None:
-    """Raises ConfigError unless the pinned quack and CUTLASS DSL are installed and `device` is sm90+."""
+    """Raises ConfigError unless the pinned quack and CUTLASS DSL are installed and `device` is sm90 / sm100."""
     require_pinned("gemm_library 'quack'", PINNED, device, "--gemm-library cublas")
 
 
 def require_pinned(option: str, pinned: dict[str, str], device: torch.device, default: str) -> None:
-    """Raises ConfigError unless every {package: version} of `pinned` is installed and `device` is sm90+.
+    """Raises ConfigError unless every {package: version} of `pinned` is installed and `device` is sm90 / sm100.
     option: what needs them ("gemm_library 'quack'"); default: the option that does without them."""
+    targets.require_cute(device, option, default)
     for package, version in pinned.items():
         try:
             found = importlib.metadata.version(package)
@@ -55,8 +57,6 @@ def require_pinned(option: str, pinned: dict[str, str], device: torch.device, de
         if found != version:
             raise ConfigError(f"{option} is built against {package}=={version}, found {found}: "
                               "pip install 'vlaserve[cute]'")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        raise ConfigError(f"{option} runs on Hopper or newer GPUs (sm90+) only")
 
 
 def linear(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ PINNED = {"flash-attn-4": "4.0.0b36", "nvidia-cutlass-dsl": "4.8.1"}  # a beta: 
 
 
 def require(device: torch.device) -> None:
-    """Raises ConfigError unless the pinned FA4 and CUTLASS DSL are installed and `device` is sm90+."""
+    """Raises ConfigError unless the pinned FA4 and CUTLASS DSL are installed and `device` is sm90 / sm100."""
     cute.require_pinned("attention_library 'fa4'", PINNED, device, "--attention-library triton")
 
 

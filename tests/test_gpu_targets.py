@@ -1,0 +1,356 @@
+"""The support matrix's resource check, without any GPU: every Triton kernel of the fast path, at every
+launch configuration and batch size the runtime can choose, compiled for each target of
+runtime/fast/targets.py (Triton compiles for a GPUTarget with the bundled ptxas; nothing runs), and
+its shared memory, registers and threads per block held against that target's limits.
+
+The launches are the ones kernels.py's wrappers make: each wrapper is called with meta tensors of
+the Pi0.5 / Pi0 shapes (no memory, no device) while the kernels are replaced by recorders, so the
+grid, arguments, constexprs and launch options are exactly what the runtime would pass. Each
+recorded launch is then specialized as Triton's own launcher does (pointer alignment, integer
+divisibility: triton.runtime.jit's binder) and compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import re
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig, load_policy_config
+from vlaserve.errors import ConfigError
+from vlaserve.runtime.fast import cute, flash, kernels, targets
+from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
+from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
+from vlaserve.runtime.runner import EagerRunner, Runtime
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+BATCHES = range(1, 9)
+HORIZON = 50
+EXPERT, VLM, VISION = GEMMA_VARIANTS["gemma_300m"], GEMMA_VARIANTS["gemma_2b"], SIGLIP_SO400M_14
+ACTION_DIM = 32
+# Prompt lengths: 1 to 3 cameras of 256 patches plus the 200-token prompt or its 96-token bucket.
+# No constexpr depends on the prefix length; the attention's key count is a runtime argument.
+PREFIX_LEN = 3 * VISION.num_patches + 200
+
+
+# @triton.jit functions that only other kernels call
+HELPERS = {"_await_inputs", "gelu_tanh", "_gemm_two_column_blocks", "_online_softmax_step", "_rows"}
+
+
+class Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, fn: JITFunction, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def expert_step(b: int) -> None:
+    """One Euler step's kernels at batch b, as FastPi05._expert_triton / FastPi0 call them."""
+    r, w, hd, hq = b * HORIZON, EXPERT.width, EXPERT.head_dim, EXPERT.num_heads
+    h, y = meta(r, w), meta(r, w)
+    scale, shift, gate = meta(w), meta(w), meta(w)
+    cos, sin = meta(r, hd // 2, dtype=torch.float32), meta(r, hd // 2, dtype=torch.float32)
+    cache_len = PREFIX_LEN + HORIZON
+    k_cache, v_cache = meta(b, cache_len, hd), meta(b, cache_len, hd)
+    tail = (k_cache[:, PREFIX_LEN:], v_cache[:, PREFIX_LEN:])
+    for adaptive in (True, False):  # Pi0.5's AdaRMS (a shift), Pi0's plain RMS norm
+        kernels.residual_norm(h, scale, shift if adaptive else None, eps=1e-6)
+        kernels.linear_residual_norm(meta(r, hq * hd), meta(w, hq * hd), h, gate, scale,
+                                     shift if adaptive else None, 1e-6)
+        kernels.residual_norm(h, scale, shift if adaptive else None, delta=meta(r, w), gate=gate, eps=1e-6)
+    if kernels.through_cublas("qkv", b):
+        q = kernels.qkv_rope_into_cache(meta(r, (hq + 2) * hd), cos, sin, *tail, hq, HORIZON)
+    else:
+        q = kernels.qkv_rope_into_cache(y, cos, sin, *tail, hq, HORIZON, w_qkv=meta((hq + 2) * hd, w))
+    kernels.mqa_attention(q, k_cache, v_cache, meta(b, cache_len, dtype=torch.float32), hq, HORIZON,
+                          kernels.attention_config(b))
+    if kernels.through_cublas("gate_up", b):
+        kernels.geglu(meta(r, 2 * EXPERT.mlp_dim))
+    else:
+        kernels.geglu_linear(y, meta(2 * EXPERT.mlp_dim, w))
+    kernels.linear_residual_norm(meta(r, EXPERT.mlp_dim), meta(w, EXPERT.mlp_dim), h, gate, scale, shift, 1e-6)
+    if r <= kernels.TUNING["action"]["max_rows"]:  # FastPi05._denoise_fused: first, middle, last steps
+        x = meta(r, ACTION_DIM, dtype=torch.float32)
+        w_in, b_in = meta(w, ACTION_DIM, dtype=torch.float32), meta(w, dtype=torch.float32)
+        w_out, b_out = meta(ACTION_DIM, w, dtype=torch.float32), meta(ACTION_DIM, dtype=torch.float32)
+        rtc = (x, meta(r, dtype=torch.float32), meta(b, dtype=torch.float32))
+        kernels.action_step(x, h, w_in, b_in)
+        for guidance in (None, rtc):
+            kernels.action_step(x, h, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance)
+            kernels.action_step(x, None, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance)
+
+
+def prefix(b: int) -> None:
+    """The prefix's Triton kernels at batch b, as FastPi05.vision / _prefix_triton call them."""
+    p, w, hd, hq = b * PREFIX_LEN, VLM.width, VLM.head_dim, VLM.num_heads
+    patches = b * 3 * VISION.num_patches
+    v = meta(patches, VISION.width)
+    kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6)
+    kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, delta=v)
+    kernels.gelu(meta(patches, VISION.mlp_dim))
+    h = meta(p, w)
+    kernels.residual_norm(h, meta(w), eps=1e-6)
+    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6)
+    cos, sin = meta(p, hd // 2, dtype=torch.float32), meta(p, hd // 2, dtype=torch.float32)
+    k_cache, v_cache = meta(b, PREFIX_LEN + HORIZON, hd), meta(b, PREFIX_LEN + HORIZON, hd)
+    kv = (k_cache[:, :PREFIX_LEN], v_cache[:, :PREFIX_LEN])
+    slots = meta(p, dtype=torch.int32)
+    q = kernels.qkv_rope_into_cache(meta(p, (hq + 2) * hd), cos, sin, *kv, hq, PREFIX_LEN, slots=slots)
+    kernels.qkv_rope_into_cache(meta(p, 2 * hd), cos, sin, *kv, 0, PREFIX_LEN, slots=slots)  # the last layer
+    kernels.mqa_attention(q, *kv, meta(b, PREFIX_LEN, dtype=torch.float32), hq, PREFIX_LEN,
+                          kernels.prefix_attention_config(b))
+    kernels.geglu(meta(p, 2 * VLM.mlp_dim))
+
+
+def launches(target: targets.Target) -> list:
+    """Every kernel launch of batches 1..8 under `target`'s launch table and features."""
+    recorded: list = []
+    saved = copy.deepcopy(kernels.TUNING)
+    with pytest.MonkeyPatch.context() as patch:  # the kernels are back before anything compiles
+        for name, value in vars(kernels).items():
+            if isinstance(value, JITFunction):
+                patch.setattr(kernels, name, Recorder(value, recorded))
+        try:
+            use_launch_table(target)
+            for b in BATCHES:
+                expert_step(b)
+                prefix(b)
+        finally:
+            kernels.TUNING.clear()
+            kernels.TUNING.update(saved)
+    return recorded
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one compiled kernel asks of a block, from Triton's metadata and ptxas' report."""
+
+    kernel: str
+    launch: str  # its constexprs and launch options
+    shared: int  # bytes
+    threads: int
+    registers: int  # per thread
+    spill_bytes: int  # stores to local memory: slower, never wrong
+
+    def violations(self, target: targets.Target) -> list[str]:
+        over = []
+        if self.shared > target.shared_per_block:
+            over.append(f"shared memory {self.shared} B > {target.shared_per_block} B")
+        if self.threads > target.threads_per_block:
+            over.append(f"{self.threads} threads > {target.threads_per_block}")
+        if self.registers > target.registers_per_thread:
+            over.append(f"{self.registers} registers a thread > {target.registers_per_thread}")
+        if self.registers * self.threads > target.registers_per_block:
+            over.append(f"{self.registers} x {self.threads} registers > {target.registers_per_block} a block")
+        return [f"{self.kernel} [{self.launch}] on {target.name}: {v}" for v in over]
+
+
+class UnsupportedArch(Exception):
+    pass
+
+
+def specialize(fn: JITFunction, args, kwargs, capability: int):
+    """What Triton's launcher compiles for this launch on sm_<capability>: (ASTSource, options)."""
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
+def compile_launch(source: ASTSource, options, capability: int) -> Resources:
+    """Compiles one specialized launch for sm_<capability> and reads what it asks of a block."""
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):  # knobs.nvidia.dump_ptxas_log prints ptxas -v here
+            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options.__dict__)
+    except Exception as e:  # the bundled ptxas does not know this architecture
+        if "ptxas" in str(e) and re.search(r"(?i)unsupported|not defined|unknown", str(e)):
+            raise UnsupportedArch(f"{get_ptxas(capability).path} cannot compile sm_{capability}") from e
+        raise
+    report = log.getvalue()
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert registers, f"no ptxas report for {source.fn.__name__}:\n{report}"
+    launch = ", ".join(f"{source.fn.arg_names[path[0]]}={value}" for path, value in source.constants.items())
+    launch += f", warps={options.num_warps}, stages={options.num_stages}"
+    return Resources(source.fn.__name__, launch, compiled.metadata.shared, options.num_warps * 32, max(registers),
+                     max(spills, default=0))
+
+
+def specialized_launches(target: targets.Target) -> list:
+    """The distinct compiles behind launches(target): [(ASTSource, options)]."""
+    seen, out = set(), []
+    for fn, args, kwargs in launches(target):
+        source, options = specialize(fn, args, kwargs, target.capability)
+        key = (fn.__name__, repr(source.signature), repr(source.constants), repr(source.attrs),
+               repr(sorted(options.__dict__.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append((source, options))
+    return out
+
+
+@pytest.fixture
+def fresh_compiles(monkeypatch):
+    """Every compile runs ptxas (no cache hit) and prints its report."""
+    monkeypatch.setattr(triton.knobs.compilation, "always_compile", True)
+    monkeypatch.setattr(triton.knobs.nvidia, "dump_ptxas_log", True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", sorted(targets.TARGETS))
+def test_every_kernel_fits_every_target(capability, fresh_compiles):
+    target = targets.TARGETS[capability]
+    compiled = []
+    for source, options in specialized_launches(target):
+        try:
+            compiled.append(compile_launch(source, options, capability))
+        except UnsupportedArch as e:
+            pytest.skip(str(e))
+    kinds = {r.kernel for r in compiled}
+    # Every kernel of kernels.py is launched somewhere in batches 1..8.
+    assert kinds == {n for n, v in vars(kernels).items() if isinstance(v, JITFunction)} - HELPERS
+    violations = [v for r in compiled for v in r.violations(target)]
+    assert not violations, "\n".join(violations)
+    # Spills cost speed, not correctness: none in any kernel the runtime launches.
+    spilling = [f"{r.kernel} [{r.launch}]: {r.spill_bytes} B" for r in compiled if r.spill_bytes]
+    assert not spilling, "\n".join(spilling)
+
+
+def test_a_configuration_over_the_limit_fails_the_check(fresh_compiles):
+    # The sm90 table's batch-1 split-K GEMM (64 + 32 rows x 256 deep x 2 B x 3 stages in flight =
+    # 144 KB) compiled for an RTX 4090 (sm89, 99 KB a block): the check must name it.
+    rtx4090 = targets.TARGETS[89]
+    on_sm90_table = replace(rtx4090, launch_table="sm90")
+    splitk = [(s, o) for s, o in specialized_launches(on_sm90_table)
+              if s.fn.__name__ == "_splitk_gemm" and s.constants[(s.fn.arg_names.index("BLOCK_K"),)] == 256]
+    resources = compile_launch(*splitk[0], 89)
+    assert resources.shared == 144 * 1024
+    (violation,) = resources.violations(rtx4090)
+    assert "_splitk_gemm" in violation and "shared memory 147456 B > 101376 B" in violation
+    assert not resources.violations(targets.TARGETS[80])  # 163 KB: fits
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((7, 5), None), ((8, 0), 80), ((8, 6), 86), ((8, 7), 87), ((8, 9), 89), ((9, 0), 90), ((10, 0), 100),
+    ((10, 3), 100), ((11, 0), 110), ((12, 0), 120), ((12, 1), 120), ((13, 0), 120)])
+def test_each_capability_maps_to_its_matrix_entry(capability, expected):
+    target = targets.target_for(capability)
+    assert (target.capability if target else None) == expected
+
+
+def test_the_h200_keeps_its_table_and_features():
+    # Bit-identical actions on sm90 need the committed table and TMA + PDL exactly as before.
+    committed = {k: v for k, v in kernels.TUNING.items() if k not in ("pdl", "tma")}
+    assert committed == {k: v for k, v in LAUNCH_TABLES["sm90"].items() if k not in ("pdl", "tma")}
+    assert kernels.TUNING["pdl"] is None and kernels.TUNING["tma"] is None  # auto: on from sm90
+    assert targets.TARGETS[90].launch_table == "sm90"
+    for cap in (90, 100, 110, 120):  # as kernels._hopper gates them: capability 9 or later
+        assert targets.TARGETS[cap].tma and targets.TARGETS[cap].pdl
+    for cap in (80, 86, 87, 89):
+        assert not targets.TARGETS[cap].tma and not targets.TARGETS[cap].pdl
+
+
+@pytest.fixture
+def tuning():
+    """Restores kernels.TUNING after a test that puts a target's table in use."""
+    saved = copy.deepcopy(kernels.TUNING)
+    yield
+    kernels.TUNING.clear()
+    kernels.TUNING.update(saved)
+
+
+def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_startup_names_the_gpu_and_the_path(monkeypatch, caplog, tuning):
+    fake_gpu(monkeypatch, "NVIDIA GeForce RTX 4090", (8, 9))
+    with caplog.at_level(logging.INFO, logger="vlaserve.runtime.fast.targets"):
+        target = targets.choose_target(torch.device("cuda"))
+    assert target is targets.TARGETS[89]
+    assert caplog.messages == ["GPU NVIDIA GeForce RTX 4090 (sm_89): fast path, sm89 launch table, no TMA, no PDL"]
+    use_launch_table(target)  # what Runtime does next, as it starts the fast path
+    assert kernels.TUNING["splitk"]["stages"] == 3 and kernels.TUNING["pdl"] is False and kernels.TUNING["tma"] is False
+    assert not kernels.pdl_enabled() and not kernels.tma_enabled()
+
+    caplog.clear()
+    fake_gpu(monkeypatch, "NVIDIA Jetson AGX Orin", (8, 7))
+    with caplog.at_level(logging.INFO, logger="vlaserve.runtime.fast.targets"):
+        targets.choose_target(torch.device("cuda"))
+    assert caplog.messages == ["GPU NVIDIA Jetson AGX Orin (sm_87): fast path, sm80 launch table, no TMA, no PDL; "
+                               "memory shared with the CPU"]
+
+
+def test_below_sm80_the_eager_model_serves_and_libraries_are_refused(monkeypatch, caplog, golden):
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5))
+    config = load_policy_config(golden / "checkpoint")
+    with caplog.at_level(logging.WARNING, logger="vlaserve.runtime.fast.targets"):
+        runtime = Runtime(None, config, RuntimeConfig(device="cuda"), torch.device("cuda"), torch.bfloat16, "r")
+    assert not runtime.fast_path and isinstance(runtime.runner, EagerRunner)
+    assert caplog.messages == ["GPU Tesla T4 (sm_75): eager model; the fast path needs sm80 or newer "
+                               "(bf16 tensor cores)"]
+    with pytest.raises(ConfigError, match="gemm_library 'quack' runs on the CUDA fast path only"):
+        Runtime(None, config, RuntimeConfig(device="cuda", gemm_library="quack"), torch.device("cuda"),
+                torch.bfloat16, "r")
+
+
+@pytest.mark.parametrize("gpu, capability", [("NVIDIA GeForce RTX 4090", (8, 9)), ("NVIDIA GeForce RTX 5090", (12, 0)),
+                                             ("NVIDIA Jetson AGX Thor", (11, 0))])
+def test_cute_libraries_are_refused_off_hopper_and_datacenter_blackwell(monkeypatch, gpu, capability):
+    fake_gpu(monkeypatch, gpu, capability)
+    sm = f"sm_{capability[0]}{capability[1]}"
+    # Refused for the GPU before any package is looked for (installing them would not help).
+    with pytest.raises(ConfigError, match=rf"gemm_library 'quack' runs on .* not on {gpu} \({sm}\): serve with "
+                                          r"--gemm-library cublas"):
+        cute.require(torch.device("cuda"))
+    with pytest.raises(ConfigError, match=rf"attention_library 'fa4' .* not on {gpu} \({sm}\): serve with "
+                                          r"--attention-library triton"):
+        flash.require(torch.device("cuda"))
+
+
+def test_cute_libraries_pass_the_gpu_check_on_hopper(monkeypatch):
+    fake_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    targets.require_cute(torch.device("cuda"), "gemm_library 'quack'", "--gemm-library cublas")
+
+
+@pytest.mark.parametrize("integrated", [True, False])
+def test_a_jetson_budget_is_its_free_memory_shared_with_pinned_layers(monkeypatch, integrated):
+    # A 64 GB board (mem_get_info's total is the whole board's RAM) with 20 GB free as the OS sees it.
+    free, board = 20 * GIB, 64 * GIB
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free, board))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(is_integrated=integrated))
+    budget = cuda_budget(torch.device("cuda"))
+    assert budget.usable == free  # never the board's 64 GB
+    assert budget.shared_with_host is integrated and ("integrated GPU" in budget.source) is integrated
+    # offload on a 15 GB device estimate with 6 GB of layers pinned in host memory: on an integrated
+    # GPU both come out of the same 20 GB (21 GB needed); on a discrete one only the 15 GB counts.
+    offload = MemoryEstimate("offload", 1, weights=10 * GIB, offload_slots=GIB, kv_and_buffers=GIB,
+                             activations=2 * GIB, headroom=GIB, host_pinned=6 * GIB)
+    assert offload.total == 15 * GIB
+    assert budget.fits(offload) is not integrated
