@@ -19,6 +19,7 @@ the gate of a refactor that must not change what is computed.
 
     python bench/bench_gpu.py [--lerobot] [--batches 1,2,4,8] [--gemm-library quack] [--out DIR]
     python bench/bench_gpu.py --golden-only [--actions after.pt --compare-actions before.pt]
+    python bench/bench_gpu.py --golden-only --launch-table sm89 --actions sm89.pt --compare-actions sm90.pt
 """
 
 from __future__ import annotations
@@ -187,12 +188,22 @@ def served_call(engine, inputs, noise):
     return sample(engine, inputs, noise, STEPS, vision_slots=CAMERAS)
 
 
+# --launch-table: the GPU family whose Triton launch table (and TMA / PDL) the fast path runs with;
+# None: what the runtime chooses for this GPU. "sm89" on an H200 forces the portable path.
+LAUNCH_TABLE_TARGETS = {"sm80": 80, "sm89": 89, "sm90": 90, "sm100": 100}
+launch_table: str | None = None
+
+
 def runners(model, policy_config, device: str, gemm_library: str, attention_library: str) -> dict:
     """The variants timed, the served one first: on CUDA the fast path with Triton kernels and
     graphs, with torch's kernels and graphs, with neither; on a CPU (--smoke) the eager runner."""
     if device != "cuda":
         return {"eager_runner": EagerRunner(model, torch.device(device))}
     from vlaserve.runtime.fast.graphs import FastRunner
+    from vlaserve.runtime.fast.launch_tables import use_launch_table
+    from vlaserve.runtime.fast.targets import TARGETS, choose_target
+
+    use_launch_table(TARGETS[LAUNCH_TABLE_TARGETS[launch_table]] if launch_table else choose_target(torch.device(device)))
 
     return {"fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
                                              gemm_library=gemm_library, attention_library=attention_library),
@@ -511,7 +522,12 @@ def main():
                     help="only the golden cases and exactness checks on the device (golden_gpu.json), seconds")
     ap.add_argument("--actions", metavar="FILE", help="save the served actions at batch 1, 2, 4, 8 (torch.save)")
     ap.add_argument("--compare-actions", metavar="FILE", help="compare them bit for bit with a saved FILE")
+    ap.add_argument("--launch-table", choices=sorted(LAUNCH_TABLE_TARGETS),
+                    help="run the fast path with this GPU family's launch table and features (default: this "
+                         "GPU's; sm89 or sm80 on an H200: the portable path, no TMA, no PDL)")
     args = ap.parse_args()
+    global launch_table
+    launch_table = args.launch_table
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         TIMING.update(warmup=1, iters=2)
@@ -523,6 +539,7 @@ def main():
         golden = golden_suite(device)
         if args.actions or args.compare_actions:
             now = served_actions(args.smoke, device)
+            golden["launch_table"], golden["served_p50_ms"] = args.launch_table or "auto", now["p50_ms"]
             if args.actions:
                 torch.save(now, args.actions)
             if args.compare_actions:
@@ -536,7 +553,8 @@ def main():
     batches = [int(b) for b in (args.batches or ("1" if args.smoke else "1,2,4,8")).split(",")]
     results: dict = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                      "torch": torch.__version__, "smoke": args.smoke, "gemm_library": args.gemm_library,
-                     "attention_library": args.attention_library, "workload": {
+                     "attention_library": args.attention_library, "launch_table": args.launch_table or "auto",
+                     "workload": {
         "cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS, "prefix_len": CAMERAS * 256 + TOKENS,
         "horizon": HORIZON, "steps": STEPS}}
 

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,7 @@ def make_policy(profile, fast_path: bool = True, device: str = "cuda") -> Runtim
     config = policy_config(smoke=device != "cuda")
     model = random_model(config.model, torch.bfloat16, device, seed=0)
     settings = RuntimeConfig(device=device, memory_profile=profile.name, fast_path=fast_path)
+    settings = replace(settings, prompt_buckets=settings.resolved_prompt_buckets(config.max_token_len, device))
     return Runtime(model, config, settings, torch.device(device), torch.bfloat16, "bench")
 
 

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig, load_policy_config
+from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig
+from vlaserve.family import load_policy_config
 from vlaserve.errors import ConfigError
 from vlaserve.runtime.fast import cute, flash, kernels, targets
 from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
