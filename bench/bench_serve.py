@@ -4,7 +4,9 @@ Writes a full-size random Pi0.5 checkpoint in the LeRobot layout (common.write_c
 starts `vlaserve serve CHECKPOINT --device cuda` as a fresh process, and measures
 - process start -> /healthz answering, and -> the first action returned to openpi-client;
 - p50/p90 wall latency per route at batch 1 (3 uint8 224x224 cameras): HTTP msgpack,
-  /v1/actions/realtime, /openpi/policy through the unmodified openpi-client.
+  /v1/actions/realtime, /openpi/policy through the unmodified openpi-client;
+- B observations in one /v1/actions/generations call (the batch form) against B concurrent single
+  calls (`--batch B`, default 8): observations a second and p50 wall per call.
 
     python bench/bench_serve.py [--checkpoint DIR] [--cold] [--serve-args "..."] [--label L] [--requests N] [--out DIR]
 
@@ -34,6 +36,45 @@ def observation(rng) -> dict:
             "observation/state": rng.uniform(-1, 1, 14).astype(np.float32), "prompt": "pick up the red block"}
 
 
+def post_msgpack(port: int, body: dict) -> dict:
+    from openpi_client import msgpack_numpy
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/actions/generations", method="POST",
+                                 data=msgpack.packb(body, default=msgpack_numpy.pack_array),
+                                 headers={"Content-Type": "application/msgpack"})
+    return msgpack.unpackb(urllib.request.urlopen(req).read(), object_hook=msgpack_numpy.unpack_array)
+
+
+def batched_against_single(port: int, request: dict, b: int, rounds: int) -> dict:
+    """`rounds` times: b observations in one call (the batch form: a leading dimension of b on every
+    array), then b single calls sent at once from b threads. Observations a second over all rounds,
+    and p50 wall per call, for each form."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    obs = request["input"]["observation"]
+    batched = {**request, "input": {**request["input"], "observation": {
+        "images": {cam: np.stack([image] * b) for cam, image in obs["images"].items()},
+        "state": np.stack([obs["state"]] * b)}}}
+    forms = {"one_call": ([batched], 1), "concurrent_single": ([request] * b, b)}
+    out: dict = {"batch": b, "rounds": rounds}
+    with ThreadPoolExecutor(b) as pool:
+        for form, (bodies, threads) in forms.items():
+            post_msgpack(port, bodies[0])  # warm: this form's batch shape
+            walls, started = [], time.perf_counter()
+            for _ in range(rounds):
+                def call(body):
+                    t0 = time.perf_counter()
+                    reply = post_msgpack(port, body)
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                    return reply
+                replies = list(pool.map(call, bodies))
+                answered = sum(len(r["data"]) for r in replies)
+                assert answered == b and all("action" in item for r in replies for item in r["data"]), replies
+            out[form] = {**percentiles(walls), "obs_per_s": b * rounds / (time.perf_counter() - started)}
+    out["speedup_obs_per_s"] = out["one_call"]["obs_per_s"] / out["concurrent_single"]["obs_per_s"]
+    return out
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--checkpoint", default=None,
@@ -43,10 +84,13 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache, empty Triton cache")
     ap.add_argument("--serve-args", default="", help="more `vlaserve serve` options, e.g. '--weights-loader safetensors'")
     ap.add_argument("--label", default="", help="suffix of the result file name")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="observations in one batched call, and concurrent single calls (default 8; --smoke: 2)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.requests = min(args.requests, 3)
+    args.batch = args.batch or (2 if args.smoke else 8)
 
     from openpi_client import msgpack_numpy, websocket_client_policy
 
@@ -118,6 +162,7 @@ def main() -> None:
                 msgpack.unpackb(ws.recv(), object_hook=msgpack_numpy.unpack_array)
                 walls.append((time.perf_counter() - t0) * 1e3)
         results["realtime_ws"] = percentiles(walls)
+        results["batch_request"] = batched_against_single(port, request, args.batch, max(3, args.requests // 3))
         metadata = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         results["metadata"] = {k: metadata.get(k) for k in ("dtype", "device", "fast_path", "parameter_counts")}
     finally:
@@ -127,6 +172,9 @@ def main() -> None:
     for route in ("openpi_ws", "http_msgpack", "realtime_ws"):
         if route in results:
             log(f"{route:14s} p50 {results[route]['p50_ms']:.2f} ms  p90 {results[route]['p90_ms']:.2f} ms")
+    for form, row in results.get("batch_request", {}).items():
+        if isinstance(row, dict):
+            log(f"{form:14s} {row['obs_per_s']:.1f} obs/s, p50 {row['p50_ms']:.2f} ms a call")
     log(json.dumps({k: v for k, v in results.items() if k != "server_log_tail"}, indent=1))
     save_json(results, args.out, "bench_serve" + (f"_{args.label}" if args.label else ""))
 

@@ -83,6 +83,10 @@ def check_bench_serve(out: Path) -> None:
     assert r["metadata"]["device"] == "cpu"
     assert r["openpi_ws"]["n"] == r["http_msgpack"]["n"] == r["realtime_ws"]["n"] == 3
     assert r["process_to_first_action_s"] > r["process_to_healthz_s"] > 0
+    # 3 rounds of 2 observations: 3 batched calls, 6 single ones, every observation answered.
+    batch = r["batch_request"]
+    assert (batch["batch"], batch["one_call"]["n"], batch["concurrent_single"]["n"]) == (2, 3, 6)
+    assert batch["one_call"]["obs_per_s"] > 0 and batch["concurrent_single"]["obs_per_s"] > 0
 
 
 def check_bench_fleet(out: Path) -> None:
