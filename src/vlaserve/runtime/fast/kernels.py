@@ -384,10 +384,10 @@ if triton is not None:
 
 
 # Launch configurations for the expert-step kernels. Defaults: the winners of sweeps on an H200
-# (docs/benchmarks.md): the single-tile GEMMs from `bench/bench_gpu.py --tune` (each kernel timed
+# (docs/performance.md): the single-tile GEMMs from `bench/bench_gpu.py --tune` (each kernel timed
 # with every layer's weights in turn, so that they stream from HBM as in a real step); attention,
-# "batched", "action" and the prefix attention from `bench/tune_batches.py` (run 42: each batch
-# size's denoise graph, one family at a time). The single-tile GEMM configs hold for one row tile
+# "batched", "action" and the prefix attention from `bench/tune_batches.py` at commit 0bdbea4 (run 42:
+# each batch size's denoise graph, one family at a time). Other GPUs' tables: launch_tables.py. The single-tile GEMM configs hold for one row tile
 # (batch 1: 50 rows); "batched" ones, by the row count they start at, for more rows, where each
 # program covers `block_r` rows so that a weight tile is read once per 64 or 128 rows.
 TUNING = {
