@@ -8,7 +8,15 @@ starts `vlaserve serve CHECKPOINT --device cuda` as a fresh process, and measure
 - B observations in one /v1/actions/generations call (the batch form) against B concurrent single
   calls (`--batch B`, default 8): observations a second and p50 wall per call.
 
+`--startup` measures restarts instead (no route latencies): the server is started twice with the
+checkpoint evicted from the page cache, first with an empty compile cache, then with the one the
+first start filled; each start reports process -> /healthz, -> first action, -> every graph
+captured, seconds per graph, and `--robots N` robots (default 16) that start sending back to back
+as soon as /healthz answers: errors, wrong answers, captures on the request path, and p99 while
+graphs are still being captured against p99 once all are.
+
     python bench/bench_serve.py [--checkpoint DIR] [--cold] [--serve-args "..."] [--label L] [--requests N] [--out DIR]
+    python bench/bench_serve.py --startup [--robots 16] [--seconds-after 5]
 
 Needs openpi-client (bench/prepare_device.sh's wheels). Writes bench_serve[_LABEL].json; --smoke
 serves the golden checkpoint on the CPU.
@@ -17,8 +25,10 @@ serves the golden checkpoint on the CPU.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -26,8 +36,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from common import (bench_checkpoint, evict_from_page_cache, log, parser, percentiles, save_json, server_env, start_server,
-                    stop_server, wait_until_healthy)
+from common import (bench_checkpoint, evict_from_page_cache, log, parser, percentiles, robot_observation, save_json,
+                    server_env, start_server, stop_server, wait_until_healthy)
 
 
 def observation(rng) -> dict:
@@ -75,6 +85,118 @@ def batched_against_single(port: int, request: dict, b: int, rounds: int) -> dic
     return out
 
 
+# A robot's answer further than this from its own answer once every graph is captured is wrong (a
+# different batch size changes an answer by bf16 rounding, ~1e-2 at full size; robots differ by ~1).
+WRONG_ANSWER = 0.25
+
+
+def graphs_block(port: int) -> dict:
+    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())["graphs"]
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in values) if values else float("nan")
+
+
+def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], robots: int, seconds_after: float,
+                device: str, log_path: Path) -> dict:
+    """One start of `vlaserve serve` (page cache evicted): process -> /healthz, -> first action,
+    -> every graph captured; `robots` robots back to back from /healthz on, their latencies split
+    at the moment the last graph was captured."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    if device == "cuda":
+        evict_from_page_cache(checkpoint)
+    out: dict = {"compile_cache_files_before": sum(1 for p in compile_cache.rglob("*") if p.is_file())}
+    started = time.perf_counter()
+    server, port = start_server("serve", checkpoint, ["--device", device, "--compile-cache", str(compile_cache),
+                                                      *serve_args], log_path)
+    stop, lock = threading.Event(), threading.Lock()
+    answers: list[tuple[float, int, float, np.ndarray]] = []  # (finished at, robot, wall ms, actions)
+    errors: list[str] = []
+    try:
+        wait_until_healthy(server, port, log_path)
+        out["process_to_healthz_s"] = time.perf_counter() - started
+        meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
+        dims = (meta["state_dim"], meta["action_horizon"], meta["max_action_dim"])
+        observations = [robot_observation(i, *dims) for i in range(max(robots, 1))]
+        first = WebsocketClientPolicy("127.0.0.1", port).infer(observations[0])
+        out["process_to_first_action_s"] = time.perf_counter() - started
+        out["graphs_at_first_action"] = graphs_block(port)["captured"]
+        log(f"healthz {out['process_to_healthz_s']:.2f} s, first action {out['process_to_first_action_s']:.2f} s "
+            f"({out['graphs_at_first_action']} graphs captured)")
+        assert first["actions"].shape[0] == dims[1], first["actions"].shape
+
+        def robot(i: int) -> None:
+            try:
+                client = WebsocketClientPolicy("127.0.0.1", port)
+            except Exception as e:  # noqa: BLE001 - counted
+                errors.append(repr(e))
+                return
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    actions = client.infer(observations[i])["actions"]
+                except Exception as e:  # noqa: BLE001 - counted, the robot goes on
+                    errors.append(repr(e))
+                    continue
+                t1 = time.perf_counter()
+                with lock:
+                    answers.append((t1, i, (t1 - t0) * 1e3, actions))
+
+        threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(robots)]
+        for t in threads:
+            t.start()
+        while True:
+            block = graphs_block(port)
+            if block["pending"] == 0:
+                break
+            if server.poll() is not None or time.perf_counter() - started > 600:
+                raise RuntimeError(f"graphs not all captured: {block}")
+            time.sleep(0.05)
+        all_captured = time.perf_counter()
+        out["process_to_every_graph_s"] = all_captured - started
+        out["graphs"] = {k: v for k, v in block.items() if not k.endswith("_shapes")}
+        out["seconds_per_graph"] = (block["warmup_s"] + block["capture_s"]) / max(block["total"], 1)
+        time.sleep(seconds_after)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        out["request_path_captures"] = metric(port, "vlaserve_request_path_captures")
+        out["uncaptured_calls"] = metric(port, "vlaserve_uncaptured_calls")
+    finally:
+        stop.set()
+        out["server_exit_code"], out["server_log_tail"] = stop_server(server, log_path)
+    if robots:
+        last = {}
+        for finished, i, _, actions in answers:
+            if finished > all_captured:
+                last[i] = actions  # each robot's answer once every graph is captured: its reference
+        during = [wall for finished, _, wall, _ in answers if finished <= all_captured]
+        after = [wall for finished, _, wall, _ in answers if finished > all_captured]
+        wrong = sum(1 for _, i, _, actions in answers if i in last and float(np.abs(actions - last[i]).max()) > WRONG_ANSWER)
+        out["fleet"] = {"robots": robots, "answers": len(answers), "errors": len(errors), "error_samples": errors[:3],
+                        "wrong": wrong, "during_capture": percentiles(during) if during else None,
+                        "after_capture": percentiles(after) if after else None}
+        if during and after:
+            out["fleet"]["p99_ratio"] = out["fleet"]["during_capture"]["p99_ms"] / out["fleet"]["after_capture"]["p99_ms"]
+    log(json.dumps({k: v for k, v in out.items() if k != "server_log_tail"}, indent=1))
+    return out
+
+
+def startup(args, checkpoint: Path, workdir: Path, device: str) -> dict:
+    """Two starts: an empty compile cache, then the one the first start filled."""
+    cache = workdir / "compile-cache"
+    results = {}
+    for label in ("empty_compile_cache", "warm_compile_cache"):
+        log(f"--- start with {label.replace('_', ' ')} ---")
+        results[label] = startup_run(checkpoint, cache, args.serve_args.split(), args.robots, args.seconds_after,
+                                     device, workdir / f"server-{label}.log")
+    return results
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--checkpoint", default=None,
@@ -86,6 +208,11 @@ def main() -> None:
     ap.add_argument("--label", default="", help="suffix of the result file name")
     ap.add_argument("--batch", type=int, default=None,
                     help="observations in one batched call, and concurrent single calls (default 8; --smoke: 2)")
+    ap.add_argument("--startup", action="store_true",
+                    help="measure two restarts (empty, then warm compile cache) with robots sending from /healthz on")
+    ap.add_argument("--robots", type=int, default=16, help="--startup: robots back to back from /healthz on")
+    ap.add_argument("--seconds-after", type=float, default=5.0,
+                    help="--startup: how long the robots keep sending once every graph is captured")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -99,6 +226,12 @@ def main() -> None:
     started = time.perf_counter()
     checkpoint = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(args.smoke, device, workdir)
     results["checkpoint"], results["write_s"] = str(checkpoint), time.perf_counter() - started
+    if args.startup:
+        if args.smoke:
+            args.robots, args.seconds_after = min(args.robots, 2), 0.5
+        results["startup"] = startup(args, checkpoint, workdir, device)
+        save_json(results, args.out, "bench_serve_startup" + (f"_{args.label}" if args.label else ""))
+        return
     env = server_env()
     if args.cold:
         # As after a reboot: weights not in the page cache, no compiled Triton kernels.
