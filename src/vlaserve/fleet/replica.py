@@ -30,6 +30,15 @@ def shutdown_started() -> bool:
         return False
 
 
+def load_until_serving(options: dict):
+    """-> (Policy, ServerSettings) once the policy serves. Ready means serving: the replica's constructor
+    returns (and Ray routes to it) once the batch-1 CUDA graphs are captured, whatever `warmup` the
+    config file asks `vlaserve serve` for; the rest are captured while it serves (/metrics counts them)."""
+    policy, settings = build_service(options, progress=False, warmup="background")
+    wait_until_serving(policy.runtime)
+    return policy, settings
+
+
 def wait_until_serving(runtime, poll_s: float = 0.1) -> None:
     """Blocks until the runtime serves (state "capturing" or "ready"), or its warm-up has ended
     otherwise (state no longer "warming_up"). `runtime.serving` (a threading.Event) wakes it at once."""
@@ -46,11 +55,7 @@ def wait_until_serving(runtime, poll_s: float = 0.1) -> None:
 class VlaserveReplica:
     async def __init__(self, options: dict, direct_websockets: bool = False):
         logging.getLogger("vlaserve").setLevel(logging.INFO)
-        # Ready means serving: the constructor returns (and Ray routes to this replica) once the
-        # batch-1 CUDA graphs are captured; the rest are captured while it serves (/metrics counts them).
-        self.policy, self.settings = await asyncio.to_thread(build_service, options, progress=False,
-                                                             warmup="background")
-        await asyncio.to_thread(wait_until_serving, self.policy.runtime)
+        self.policy, self.settings = await asyncio.to_thread(load_until_serving, options)
         self.drain_timeout_s = options["drain_timeout_s"]
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.service = None
