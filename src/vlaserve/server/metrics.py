@@ -9,11 +9,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .. import STARTED
 
 STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
-# From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 # The runtime's graph progress where it has none (the eager runner): nothing captured, nothing to capture.
 NO_GRAPHS = {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
              "serving_after_s": None, "all_captured_after_s": None, "warmup_s": 0.0, "capture_s": 0.0}
 SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured); "warming_up" does not yet
+# From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -22,8 +22,8 @@ def graph_progress(stats: dict) -> dict:
     return stats.get("graphs", NO_GRAPHS)
 
 
-def _seconds(value: float | None) -> float:
-    return float("nan") if value is None else value  # NaN: not yet
+def _number(value: float | None) -> float:
+    return float("nan") if value is None else value  # None: not yet
 
 
 class Metrics:
@@ -61,16 +61,13 @@ class Metrics:
         ready.set_function(lambda: float(stats()["state"] in SERVING_STATES))
         for name, key, text in (
                 ("graphs_captured", "captured", "CUDA graphs captured so far"),
-                ("graphs_total", "total", "CUDA graphs to capture in all (0: no fast path)")):
-            gauge = Gauge(f"vlaserve_{name}", text, registry=self.registry)
-            gauge.set_function(lambda key=key: graph_progress(stats())[key])
-        for name, key, text in (
+                ("graphs_total", "total", "CUDA graphs to capture in all (0: no fast path)"),
                 ("serving_after_seconds", "serving_after_s", "Warm-up seconds until the server could serve "
                                                              "(batch-1 graphs captured); NaN until then"),
                 ("all_graphs_captured_after_seconds", "all_captured_after_s",
                  "Warm-up seconds until every CUDA graph was captured; NaN until then")):
             gauge = Gauge(f"vlaserve_{name}", text, registry=self.registry)
-            gauge.set_function(lambda key=key: _seconds(graph_progress(stats())[key]))
+            gauge.set_function(lambda key=key: _number(graph_progress(stats())[key]))
 
     def first_action(self) -> None:
         """Sets vlaserve_first_action_seconds, once: the first inference result returned."""
