@@ -165,6 +165,22 @@ def test_full_size_estimates():
     assert default.total > 8 * GIB > offload.total
 
 
+@pytest.mark.parametrize("graph_batches, num_prompt_lengths, graphs, measured_gib", [
+    ("all", 1, 40, 1.96), ("ladder", 1, 20, 1.57), ("all", 2, 80, 2.19)])
+def test_graph_memory_matches_the_h200s(graph_batches, num_prompt_lengths, graphs, measured_gib):
+    """The fast path's buffers and CUDA graphs (MemoryEstimate.engine) against what the H200 measured
+    at batches 1..8, full size, 3 cameras (docs/memory.md, docs/benchmarks.md run 117: 80 graphs 2.19
+    GiB): one constant (GRAPH_POOL_PER_PROMPT_LENGTH) fits all three within 0.05 GiB; without the pool
+    term the two-prompt-length case was 0.48 GiB short."""
+    config = PolicyConfig(ModelConfig.full_size(), ("a", "b", "c"), 14, 14)
+    estimate = estimate_memory(shapes_of(config.model), config, torch.bfloat16, PROFILES["default"], 8,
+                               graph_batches=graph_batches, num_prompt_lengths=num_prompt_lengths)
+    assert estimate.graph_count == graphs
+    assert abs(estimate.engine / GIB - measured_gib) < 0.05
+    assert estimate.total == estimate.weights + estimate.engine + estimate.headroom
+    assert f"{graphs} CUDA graphs' pool" in estimate.describe()
+
+
 def test_fit_check_refuses_with_the_numbers_and_names_a_profile_that_fits():
     config = PolicyConfig(ModelConfig.full_size(), ("a", "b", "c"), 14, 14)
     shapes = shapes_of(config.model)
@@ -259,7 +275,13 @@ def test_info_json_parses(golden, capsys):
     assert info["memory"]["batch_sizes"] == [1, 4]
     offload = info["memory"]["profiles"]["offload"]["estimates"][0]
     assert offload["total"] == sum(offload[k] for k in ("weights", "offload_slots", "kv_and_buffers",
-                                                         "activations", "headroom"))
+                                                         "activations", "graph_pool", "headroom"))
+    # On CUDA serve captures graphs for the golden checkpoint's prompt length (200) and its auto bucket (96).
+    assert info["memory"]["prompt_lengths"] == [96, 200]
+    # Under offload the prefix runs outside graphs: per batch size 1..4 and prompt length, a denoise graph
+    # with and without RTC; the default profile adds one prefix graph per camera layout (3).
+    assert offload["graph_count"] == 1 * 2 * 2 and info["memory"]["profiles"]["default"]["estimates"][1][
+        "graph_count"] == 4 * 2 * (3 + 2)
 
 
 def test_info_reports_what_serve_uses_on_this_machine(golden, capsys):

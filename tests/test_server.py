@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -518,9 +519,14 @@ def test_payload_limit_on_websocket_messages(server):
 
 # ---- health, metrics, docs ----------------------------------------------------------------------
 def test_health_metrics_and_docs(server, http):
-    assert httpx.get(server.url + "/healthz").json() == {"status": "ok", "model": "checkpoint", "is_demo": False}
+    # The eager model on a CPU: no CUDA graphs, none to capture.
+    assert httpx.get(server.url + "/healthz").json() == {"status": "ok", "model": "checkpoint", "is_demo": False,
+                                                         "graphs": {"captured": 0, "total": 0}}
     http.post(GENERATIONS, json=_good_body(parameters={"num_inference_steps": 1}))
     metrics = httpx.get(server.url + "/metrics").text
+    # Set by the first answer (this module's tests sent some before): seconds since the process began.
+    first_action = float(re.search(r"^vlaserve_first_action_seconds (\S+)$", metrics, re.MULTILINE).group(1))
+    assert first_action > 0
     assert 'vlaserve_requests_total{route="/v1/actions/generations",status="200"}' in metrics
     for stage in ("decode", "queue", "preprocess", "prefix", "denoise", "postprocess", "encode"):
         assert f'vlaserve_stage_seconds_count{{stage="{stage}"}}' in metrics

@@ -1,4 +1,4 @@
-"""The `vlaserve` command: its parser, and `vlaserve serve` (the options live in options.py,
+"""The `vlaserve` command: its parser, `vlaserve serve` and `vlaserve warmup` (the options live in options.py,
 `vlaserve info` in info.py, `vlaserve serve-ray` in fleet/command.py)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .demo import DEMO_NAMES
 from .errors import VlaserveError
 from .fleet.command import add_parser as add_serve_ray_parser  # stdlib only: Ray is imported when it runs
 from .info import add_parser as add_info_parser
-from .options import (API_KEY_ENV, DEMO_HELP, SERVE_OPTIONS, UsageError, add_options, build_service, check_can_bind,
-                      serve_options)
+from .options import (API_KEY_ENV, DEMO_HELP, RUNTIME_OPTIONS, SERVE_OPTIONS, UsageError, add_options, build_service,
+                      check_can_bind, serve_options)
 
 log = logging.getLogger("vlaserve")
 
@@ -41,6 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=serve_command)
     add_serve_ray_parser(commands)
     add_info_parser(commands)
+
+    warmup = commands.add_parser(
+        "warmup", argument_default=argparse.SUPPRESS, help="fill the compile cache ahead of a deploy",
+        description="Load a checkpoint as `vlaserve serve` would, compile the CUDA fast path's kernels into the "
+                    "compile cache and capture every CUDA graph, print where and how long, and exit 0. A server "
+                    "started later with the same options on the same kind of GPU and software loads the kernels "
+                    "instead of compiling them. Without a CUDA device there is nothing to compile: it says so "
+                    "and exits 1. Exit 2: bad options or checkpoint.")
+    warmup.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                        help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
+    warmup.add_argument("--demo", choices=tuple(DEMO_NAMES), help=DEMO_HELP)
+    warmup.add_argument("--config", metavar="FILE", help="JSON file with serve's options (the runtime's are used)")
+    add_options(warmup, {name: spec for name, spec in RUNTIME_OPTIONS.items() if name != "warmup"})
+    warmup.set_defaults(run=warmup_command)
     return parser
 
 
@@ -128,6 +142,39 @@ def serve_command(cli: dict) -> int:
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
+
+
+def warmup_command(cli: dict) -> int:
+    """`vlaserve warmup`: the policy loaded as serve loads it, warm-up blocking; then the compile
+    cache holds every kernel the server compiles."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    try:
+        options = serve_options(cli)
+    except UsageError as e:
+        log.error("%s", e)
+        return 2
+    runtime = options["runtime"]
+    from .runtime.compile_cache import activate
+    from .runtime.device import resolve_device
+    from .server.metrics import graph_progress
+
+    try:
+        device = resolve_device(runtime.device)
+        if not runtime.runs_fast_path(device.type):
+            print(f"nothing to compile: no CUDA device here (device {device}), so the eager model serves, without "
+                  "compiled kernels or CUDA graphs; run `vlaserve warmup` on the kind of GPU that will serve",
+                  file=sys.stderr)
+            return 1
+        directory = activate(runtime.compile_cache, device)
+        policy, _ = build_service(options, cli.get("demo"), warmup="blocking")
+    except (VlaserveError, ValueError, OSError, UsageError) as e:
+        log.error("%s", e)
+        return 2
+    graphs, t = graph_progress(policy.runtime.stats()), policy.load_timings
+    print(f"compile cache {directory}: filled in {time.perf_counter() - started:.1f} s (weights {t['weights_s']:.1f} s, "
+          f"kernels and {graphs['captured']} CUDA graphs {t['engine_s']:.1f} s)")
+    return 0
 
 
 class RequestLog:

@@ -170,6 +170,10 @@ class RuntimeConfig:
     attention_library: str = _option("triton", "LIBRARY", "CUDA: the prefix's attention through triton (ours), or fa4 "
                                                            "(FlashAttention-4, CuTe DSL; faster from batch 1, most at 8; "
                                                            "Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
+    compile_cache: str | None = _option(None, "DIR", "CUDA: keep compiled kernels here between starts, in a "
+                                                     "subdirectory per GPU and CUDA, torch, Triton and vlaserve "
+                                                     "version (default: $TRITON_CACHE_DIR if set, else "
+                                                     "$XDG_CACHE_HOME/vlaserve/compile or ~/.cache/vlaserve/compile)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
 
@@ -201,6 +205,8 @@ class RuntimeConfig:
              f"attention_library must be one of {', '.join(ATTENTION_LIBRARIES)}, not {self.attention_library!r}"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
+            (self.compile_cache is None or bool(str(self.compile_cache).strip()),
+             "compile_cache must be a directory, not empty"),
             (self.prompt_buckets == "auto" or all(b >= 1 for b in self.prompt_buckets),
              "prompt_buckets must be positive token lengths"),
         ]

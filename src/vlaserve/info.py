@@ -44,7 +44,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     import torch
 
     from .checkpoint.weights import check_weights, checkpoint_shapes
-    from .config import PROFILES
+    from .config import PROFILES, prompt_lengths
     from .errors import CheckpointError
     from .family import family_of, load_policy_config
     from .processing.pipeline import load_normalization
@@ -81,14 +81,16 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     except CheckpointError as e:
         info["normalization"], info["normalization_error"] = None, str(e)
     entry = prefix_kv_bytes(config, torch_dtype.itemsize)
+    # The prompt lengths serve captures graphs for: its default buckets on this device, and the checkpoint's.
+    lengths = prompt_lengths(settings.resolved_prompt_buckets(config.max_token_len, target.type), config.max_token_len)
     info["memory"] = {
-        "batch_sizes": [1, max_batch_size],
+        "batch_sizes": [1, max_batch_size], "prompt_lengths": list(lengths) if graphs else [config.max_token_len],
         "prefix_cache_entry_bytes": entry,
         "profiles": {p.name: {
             "summary": p.summary, "max_graph_batch": p.max_graph_batch,
             "prefix_cache_entries": p.prefix_cache_entries, "prefix_cache_bytes": p.prefix_cache_entries * entry,
-            "estimates": [estimate_memory(shapes, config, torch_dtype, p, b, fast_path=graphs).as_dict()
-                          for b in (1, max_batch_size)],
+            "estimates": [estimate_memory(shapes, config, torch_dtype, p, b, fast_path=graphs,
+                                          num_prompt_lengths=len(lengths)).as_dict() for b in (1, max_batch_size)],
         } for p in PROFILES.values()},
     }
     return info
@@ -126,7 +128,7 @@ def format_info(info: dict) -> str:
         capped = "*" if second["batch_size"] < large else " "
         # The engine's share: the CUDA fast path's static buffers for every batch size 1..N and the
         # graphs' pool, or the eager model's K/V and activations.
-        graphs = (second["kv_and_buffers"] + second["activations"]) / gib
+        graphs = (second["kv_and_buffers"] + second["activations"] + second["graph_pool"]) / gib
         lines.append(f"{name:<11} {first['total'] / gib:>6.2f} GiB {second['total'] / gib:>6.2f} GiB{capped}"
                      f"{host:>13} {graphs:>14.2f} GiB")
     capped = [f"{name} runs batches of at most {p['max_graph_batch']}" for name, p in memory["profiles"].items()
@@ -137,8 +139,12 @@ def format_info(info: dict) -> str:
     lines.append(f"prefix cache (opt-in, not included): {memory['prefix_cache_entry_bytes'] / 2**20:.1f} MiB per "
                  f"entry; entries: {limits}")
     if info["cuda_graphs"]:
-        lines.append(f"graphs: the CUDA fast path's static buffers (batches 1..{large}) and graph pool, captured at "
-                     "startup; included in the totals and in the startup memory check")
+        default = memory["profiles"]["default"]["estimates"][1]
+        lengths = ", ".join(map(str, memory["prompt_lengths"]))
+        lines.append(f"graphs: the CUDA fast path's static buffers (batches 1..{large}) and the pool of its "
+                     f"{default['graph_count']} CUDA graphs (default profile: prompt lengths {lengths}, each camera "
+                     f"layout, RTC on and off), captured at startup; included in the totals and in the startup "
+                     "memory check")
     else:
         lines.append(f"eager: on {info['device']} the eager model serves (no CUDA graphs); its prefix K/V and widest "
                      f"activations at batch {large}, included in the totals")

@@ -56,7 +56,8 @@ def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
     return out
 
 
-SERVE_OPTIONS = {**SERVER_OPTIONS, **_runtime_options()}
+RUNTIME_OPTIONS = _runtime_options()
+SERVE_OPTIONS = {**SERVER_OPTIONS, **RUNTIME_OPTIONS}
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 DEMO_HELP = "which built-in DEMO (tiny, random weights) to use without a checkpoint (default: pi05)"
 

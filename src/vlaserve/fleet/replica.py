@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ray import serve
 
 from ..options import build_service
+from ..server.metrics import graph_progress
 from .labels import ReplicaLabels
 
 log = logging.getLogger("vlaserve.fleet")
@@ -28,22 +30,41 @@ def shutdown_started() -> bool:
         return False
 
 
+def load_until_serving(options: dict):
+    """-> (Policy, ServerSettings) once the policy serves. Ready means serving: the replica's constructor
+    returns (and Ray routes to it) once the batch-1 CUDA graphs are captured, whatever `warmup` the
+    config file asks `vlaserve serve` for; the rest are captured while it serves (/metrics counts them)."""
+    policy, settings = build_service(options, progress=False, warmup="background")
+    wait_until_serving(policy.runtime)
+    return policy, settings
+
+
+def wait_until_serving(runtime, poll_s: float = 0.1) -> None:
+    """Blocks until the runtime serves (state "capturing" or "ready"), or its warm-up has ended
+    otherwise (state no longer "warming_up"). `runtime.serving` (a threading.Event) wakes it at once."""
+    serving = getattr(runtime, "serving", None)  # runtimes without the event: the state alone, polled
+    while runtime.state == "warming_up" and not (serving is not None and serving.is_set()):
+        if serving is not None:
+            serving.wait(poll_s)
+        else:
+            time.sleep(poll_s)
+
+
 @serve.deployment
 @serve.ingress()
 class VlaserveReplica:
     async def __init__(self, options: dict, direct_websockets: bool = False):
         logging.getLogger("vlaserve").setLevel(logging.INFO)
-        # Ready means ready: the constructor returns (and Ray routes to this replica) only once the
-        # CUDA graphs are captured, whatever `warmup` the config file asks `vlaserve serve` for.
-        self.policy, self.settings = await asyncio.to_thread(build_service, options, progress=False,
-                                                             warmup="blocking")
+        self.policy, self.settings = await asyncio.to_thread(load_until_serving, options)
         self.drain_timeout_s = options["drain_timeout_s"]
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.service = None
         self._drain_watch = None
         self.direct = None
         self._direct_websockets = direct_websockets
-        log.info("replica %s ready: %s on %s", self.replica, self.policy.name, self.policy.metadata["device"])
+        graphs = graph_progress(self.policy.runtime.stats())
+        log.info("replica %s serving: %s on %s (%d of %d CUDA graphs captured, the rest in the background)",
+                 self.replica, self.policy.name, self.policy.metadata["device"], graphs["captured"], graphs["total"])
 
     def __serve_build_asgi_app__(self):
         from ..server import create_app

@@ -10,9 +10,9 @@ A profile says where the weights live and how much the engine may keep (docs/mem
   through two device slots per stack on every call (engine/offload.py); on CUDA the fast path runs,
   the prefix outside CUDA graphs.
 
-The estimate is weights + offload slots + K/V cache and static buffers + activations + a fixed
-headroom, from the checkpoint's tensor shapes (safetensors headers) and the policy's sizes; the
-formulas sit next to the code. `check_fit` compares it with what the process may use on the device.
+The estimate is weights + offload slots + K/V cache and static buffers + activations + the CUDA
+graphs' pool + a fixed headroom, from the checkpoint's tensor shapes (safetensors headers) and the
+policy's sizes; the formulas sit next to the code. `check_fit` compares it with what the process may use on the device.
 The opt-in prefix cache is enabled after loading and is not in it (`prefix_kv_bytes` is one entry).
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoint.files import available_memory_bytes
 from ..checkpoint.weights import PI05_LAYOUT, WeightLayout, checkpoint_shapes, layout_for
-from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig, graph_batch_sizes
+from ..config import PROFILES, MemoryProfile, PolicyConfig, RuntimeConfig, graph_batch_sizes, prompt_lengths
 from ..errors import InsufficientMemory
 from .fast.buffers import BufferSpec
 from .offload import STREAMED_PREFIXES, streamed
@@ -41,11 +41,16 @@ GIB = 2**30
 # streams), graph-pool and allocator rounding, fragmentation. Set from a measurement: the fast path's
 # peak at batch 1 (docs/benchmarks.md, 7.05 GiB) lies 0.43 GiB above the modelled terms; 0.75 GiB keeps
 # a margin over that. bench/bench_memory.py prints estimate and measured peak side by side to recheck.
-# The graphs' share: at batches 1..8 the static buffers and graph pool measured 1.96 GiB (ladder 1, 2,
-# 4, 8: 1.57 GiB) against 1.71 (1.31) GiB modelled below (run 33, captured largest batch first): the
-# headroom covers the 0.25 GiB.
+# (The graphs' pool beyond the modelled activations has its own term, GRAPH_POOL_PER_PROMPT_LENGTH.)
 # (The CUDA context is outside the allocator and already missing from the free memory the check reads.)
 HEADROOM_BYTES = 768 * 2**20
+# The CUDA graphs' pool beyond the widest call the activations term models: a quarter of that call's
+# activations per prompt length captured. Set from the H200's measured buffers + graphs against the
+# modelled ones at batches 1..8 (full size, 3 cameras): 1.96 GiB against 1.71 (one prompt length, 40
+# graphs), ladder 1.57 against 1.31 (20 graphs), 2.19 against 1.71 (two prompt lengths, 80 graphs;
+# docs/benchmarks.md run 117): 0.25, 0.26 and 2 x 0.24 GiB over, with 1.02 GiB of activations at batch 8.
+# (A term per graph fits worse: the ladder's 20 graphs left as much over as the 40 of "all".)
+GRAPH_POOL_PER_PROMPT_LENGTH = 0.25
 def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
@@ -71,17 +76,27 @@ class MemoryEstimate:
     activations: int
     headroom: int
     host_pinned: int
+    graph_pool: int = 0  # the CUDA graphs' pool beyond `activations` (GRAPH_POOL_PER_PROMPT_LENGTH)
+    graph_count: int = 0  # CUDA graphs captured at warm-up (0: the eager model)
 
     @property
     def total(self) -> int:
-        return self.weights + self.offload_slots + self.kv_and_buffers + self.activations + self.headroom
+        return self.weights + self.offload_slots + self.kv_and_buffers + self.activations + self.graph_pool + self.headroom
+
+    @property
+    def engine(self) -> int:
+        """The engine's share: the fast path's static buffers and CUDA graphs (what the runtime's
+        graph_bytes measures), or the eager model's K/V and activations."""
+        return self.kv_and_buffers + self.activations + self.graph_pool
 
     def describe(self) -> str:
         parts = [f"weights {gib(self.weights)}"]
         if self.offload_slots:
             parts.append(f"layer slots {gib(self.offload_slots)}")
-        parts += [f"K/V cache and buffers {gib(self.kv_and_buffers)}", f"activations {gib(self.activations)}",
-                  f"headroom {gib(self.headroom)}"]
+        parts += [f"K/V cache and buffers {gib(self.kv_and_buffers)}", f"activations {gib(self.activations)}"]
+        if self.graph_count:
+            parts.append(f"{self.graph_count} CUDA graphs' pool {gib(self.graph_pool)}")
+        parts.append(f"headroom {gib(self.headroom)}")
         return f"{gib(self.total)} ({', '.join(parts)})"
 
     def as_dict(self) -> dict:
@@ -125,12 +140,13 @@ def _activations_per_item(config: PolicyConfig, itemsize: int, graphs: bool) -> 
 
 def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
                     profile: MemoryProfile, batch_size: int = 1, fast_path: bool = True,
-                    graph_batches: str = "all") -> MemoryEstimate:
+                    graph_batches: str = "all", num_prompt_lengths: int = 1) -> MemoryEstimate:
     """Device bytes for serving batches of up to `batch_size` under `profile`.
 
     `shapes` maps our parameter names to shapes (weights.checkpoint_shapes, or a model's). `fast_path`:
     whether the CUDA graph engine runs (on CUDA, unless the caller turned it off); `graph_batches`:
-    which batch sizes it keeps buffers and graphs for (config.graph_batch_sizes).
+    which batch sizes it keeps buffers and graphs for (config.graph_batch_sizes); `num_prompt_lengths`:
+    how many prompt lengths it captures graphs for (config.prompt_lengths: the buckets and the checkpoint's).
     """
     device_bytes = host_bytes = 0
     layer_bytes: Counter = Counter()  # bytes of each streamed layer, keyed "vision.layers.3" etc.
@@ -151,12 +167,18 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     batch = profile.batch_limit(batch_size)
     itemsize = dtype.itemsize
     # The graph engine keeps buffers for every batch size it captured; eager code only the current call's.
-    buffer_items = sum(graph_batch_sizes(graph_batches, batch)) if graphs else batch
+    sizes = graph_batch_sizes(graph_batches, batch)
+    buffer_items = sum(sizes) if graphs else batch
+    activations = batch * _activations_per_item(config, itemsize, graphs)
+    # Per batch size and prompt length: a prefix graph per camera layout (none under offload, whose
+    # prefix runs outside graphs) and a denoise graph with and without RTC (runtime/fast/graphs.py).
+    per_shape = (0 if profile.offload else len(config.cameras)) + 2
     return MemoryEstimate(
         profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,
-        kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, dtype, graphs),
-        activations=batch * _activations_per_item(config, itemsize, graphs),
-        headroom=HEADROOM_BYTES, host_pinned=host_bytes)
+        kv_and_buffers=buffer_items * _kv_and_buffers_per_item(config, dtype, graphs), activations=activations,
+        headroom=HEADROOM_BYTES, host_pinned=host_bytes,
+        graph_pool=int(GRAPH_POOL_PER_PROMPT_LENGTH * num_prompt_lengths * activations) if graphs else 0,
+        graph_count=len(sizes) * num_prompt_lengths * per_shape if graphs else 0)
 
 
 @dataclass(frozen=True)
@@ -201,13 +223,13 @@ def cuda_budget(device: torch.device) -> DeviceBudget:
 
 def check_fit(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig, dtype: torch.dtype,
               profile: MemoryProfile, batch_size: int, budget: DeviceBudget,
-              fast_path: bool = True, graph_batches: str = "all") -> MemoryEstimate:
+              fast_path: bool = True, graph_batches: str = "all", num_prompt_lengths: int = 1) -> MemoryEstimate:
     """The estimate, if it fits `budget`; else InsufficientMemory naming the numbers and the profiles that fit."""
-    needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path, graph_batches)
+    needed = estimate_memory(shapes, config, dtype, profile, batch_size, fast_path, graph_batches, num_prompt_lengths)
     if budget.fits(needed):
         return needed
-    others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path, graph_batches) for p in PROFILES.values()
-              if p is not profile]
+    others = [estimate_memory(shapes, config, dtype, p, batch_size, fast_path, graph_batches, num_prompt_lengths)
+              for p in PROFILES.values() if p is not profile]
     fitting = [e for e in others if budget.fits(e)]
     if fitting:
         options = ", ".join(f"{e.profile} (about {gib(e.total)})" for e in fitting)
@@ -231,8 +253,9 @@ def check_before_loading(checkpoint_dir: Path, config: PolicyConfig, dtype: torc
     budget = (given_budget(settings.memory_budget_bytes) if settings.memory_budget_bytes is not None
               else cuda_budget(device))
     shapes = checkpoint_shapes(checkpoint_dir, layout_for(config.policy_type))
-    needed = check_fit(shapes, config, dtype, settings.profile, settings.max_batch_size,
-                       budget, settings.runs_fast_path(device.type), settings.graph_batches)
+    needed = check_fit(shapes, config, dtype, settings.profile, settings.max_batch_size, budget,
+                       settings.runs_fast_path(device.type), settings.graph_batches,
+                       len(prompt_lengths(settings.prompt_buckets, config.max_token_len)))
     log.info("memory profile %s: about %s needed for batches of up to %d; %s usable (%s)", settings.memory_profile,
              needed.describe(), needed.batch_size, gib(budget.usable), budget.source)
     check_host_fit(needed, available_memory_bytes())

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from .bodies import body_format, decode, read_body
 from .codec import dumps_json, packb, reply_msgpack
 from .guard import Guard
+from .metrics import SERVING_STATES, graph_progress
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
 from .service import ROUTES, ServerSettings, Service
@@ -74,12 +75,14 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        # 503 "starting" until the runtime serves with its final runner (graphs captured); load
-        # balancers and Ray take a replica into rotation on the 200.
-        ready = service.policy.runtime.state == "ready"
-        body = {"status": "ok" if ready else "starting", "model": service.identity["model"],
-                "is_demo": service.identity["is_demo"]}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        # 503 "starting" until the runtime serves (its batch-1 CUDA graphs captured; the rest are
+        # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
+        stats = service.policy.runtime.stats()
+        serving = stats["state"] in SERVING_STATES
+        graphs = graph_progress(stats)
+        body = {"status": "ok" if serving else "starting", "model": service.identity["model"],
+                "is_demo": service.identity["is_demo"], "graphs": {k: graphs[k] for k in ("captured", "total")}}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

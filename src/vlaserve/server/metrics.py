@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .. import STARTED
+
 STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
+# The runtime's graph progress where it has none (the eager runner): nothing captured, nothing to capture.
+NO_GRAPHS = {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
+             "serving_after_s": None, "all_captured_after_s": None, "warmup_s": 0.0, "capture_s": 0.0}
+SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured); "warming_up" does not yet
 # From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def graph_progress(stats: dict) -> dict:
+    """The runtime's CUDA graph progress (runtime.stats()["graphs"]): counts, shapes, times."""
+    return stats.get("graphs", NO_GRAPHS)
+
+
+def _number(value: float | None) -> float:
+    return float("nan") if value is None else value  # None: not yet
 
 
 class Metrics:
@@ -24,6 +41,11 @@ class Metrics:
                                     buckets=tuple(range(1, max_batch_size + 1)), registry=self.registry)
         self.in_flight = Gauge("vlaserve_inferences_in_flight", "Observations queued or running",
                                registry=self.registry)
+        self.first_action_seconds = Gauge("vlaserve_first_action_seconds",
+                                          "Seconds from the start of the process (vlaserve's import) to the first "
+                                          "inference result returned; NaN until then", registry=self.registry)
+        self.first_action_seconds.set(float("nan"))
+        self._first_action_unset = True
 
     def watch_runtime(self, stats) -> None:
         """Gauges read from the runtime at each scrape: graphs captured (flat after ready) and calls that
@@ -34,8 +56,24 @@ class Metrics:
                           ("graph_bytes", "Device bytes the fast path's static buffers and graphs took at startup")):
             gauge = Gauge(f"vlaserve_{key}", text, registry=self.registry)
             gauge.set_function(lambda key=key: stats()[key])
-        ready = Gauge("vlaserve_ready", "1 once the runtime serves with its final runner", registry=self.registry)
-        ready.set_function(lambda: float(stats()["state"] == "ready"))
+        ready = Gauge("vlaserve_ready", "1 once the server serves (/healthz 200: the batch-1 CUDA graphs captured; "
+                      "the rest may still be capturing)", registry=self.registry)
+        ready.set_function(lambda: float(stats()["state"] in SERVING_STATES))
+        for name, key, text in (
+                ("graphs_captured", "captured", "CUDA graphs captured so far"),
+                ("graphs_total", "total", "CUDA graphs to capture in all (0: no fast path)"),
+                ("serving_after_seconds", "serving_after_s", "Warm-up seconds until the server could serve "
+                                                             "(batch-1 graphs captured); NaN until then"),
+                ("all_graphs_captured_after_seconds", "all_captured_after_s",
+                 "Warm-up seconds until every CUDA graph was captured; NaN until then")):
+            gauge = Gauge(f"vlaserve_{name}", text, registry=self.registry)
+            gauge.set_function(lambda key=key: _number(graph_progress(stats())[key]))
+
+    def first_action(self) -> None:
+        """Sets vlaserve_first_action_seconds, once: the first inference result returned."""
+        if self._first_action_unset:
+            self._first_action_unset = False
+            self.first_action_seconds.set(time.perf_counter() - STARTED)
 
     def observe_stages(self, timings_ms: dict[str, float]) -> None:
         for stage in STAGES:
