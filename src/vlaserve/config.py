@@ -118,6 +118,7 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
 GRAPH_BATCHES = ("all", "ladder")
+CAPTURE_WARMUPS = ("per_kernel", "per_graph")
 GEMM_LIBRARIES = ("cublas", "quack")
 ATTENTION_LIBRARIES = ("triton", "fa4")
 
@@ -150,8 +151,9 @@ class RuntimeConfig:
     max_batch_size: int = _option(8, "N", "most observations run in one batch (memory is checked for it)")
     memory_profile: str = _option("default", "PROFILE", "default, edge-16gb or offload: where the weights live, "
                                                         "what the engine keeps (docs/memory.md)")
-    warmup: str = _option("blocking", "MODE", "CUDA: blocking (ready when loaded) or background (serve with the "
-                                              "eager model until kernels and graphs are ready)")
+    warmup: str = _option("blocking", "MODE", "CUDA: blocking (ready once every CUDA graph is captured) or "
+                                              "background (ready once batch 1's are; the rest are captured "
+                                              "while serving)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
                                                            "runai-streamer (pip install 'vlaserve[runai]')")
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
@@ -176,6 +178,9 @@ class RuntimeConfig:
                                                      "$XDG_CACHE_HOME/vlaserve/compile or ~/.cache/vlaserve/compile)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
+    # CUDA graph capture: one warm-up run per kernel signature before the captures ("per_kernel"), or
+    # two before every graph ("per_graph": the older way, kept to compare on a GPU).
+    capture_warmups: str = "per_kernel"
 
     def __post_init__(self):
         buckets = self.prompt_buckets
@@ -195,6 +200,8 @@ class RuntimeConfig:
             (self.memory_profile in PROFILES,
              f"memory_profile must be one of {', '.join(PROFILES)}, not {self.memory_profile!r}"),
             (self.warmup in WARMUP_MODES, f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}"),
+            (self.capture_warmups in CAPTURE_WARMUPS,
+             f"capture_warmups must be one of {', '.join(CAPTURE_WARMUPS)}, not {self.capture_warmups!r}"),
             (self.graph_batches in GRAPH_BATCHES,
              f"graph_batches must be one of {', '.join(GRAPH_BATCHES)}, not {self.graph_batches!r}"),
             (self.weights_loader in WEIGHT_LOADERS,

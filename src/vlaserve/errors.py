@@ -41,3 +41,9 @@ class InsufficientMemory(VlaserveError):
 class NonFiniteActions(VlaserveError):
     """The model produced NaN or inf actions for one request (inputs within bounds can still
     overflow, e.g. extreme RTC chunks): an error for that request, never a reply with NaN in it."""
+
+
+class NotServing(VlaserveError):
+    """The runtime cannot run batches: its batch-1 CUDA graphs were not captured within the wait
+    bound, or the warm-up failed before them (the server log says why). A request gets this, never
+    a silent fallback to another engine."""

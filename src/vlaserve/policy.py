@@ -43,8 +43,9 @@ class Policy:
         """Loads a LeRobot/OpenPI Pi0.5 or LeRobot Pi0 checkpoint (a directory, a hub id, or a built-in
         DEMO: "demo" or "demo-pi05", "demo-pi0"; tiny, random weights) as `runtime` says; keyword
         `options` override its fields (e.g. device="cuda", prefix_cache=16). On CUDA the fast path
-        serves unless fast_path=False; `warmup` "blocking" returns once it is ready, "background"
-        serves with the eager model until then. Before any weight loads, the memory profile's estimate
+        serves unless fast_path=False; `warmup` "blocking" returns once every CUDA graph is captured,
+        "background" at once (batches wait for batch 1's graphs, then run on the captured ones while
+        the rest are captured: Runtime). Before any weight loads, the memory profile's estimate
         is checked against the device (InsufficientMemory names the numbers and what would fit)."""
         settings = replace(runtime or RuntimeConfig(), **options)
         started = last = time.perf_counter()
@@ -74,7 +75,7 @@ class Policy:
                              loader=settings.weights_loader, layout=family.weights).eval()
         synchronize(load_device)
         mark("weights_s")
-        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory))
+        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory), progress=progress)
         mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading

@@ -2,8 +2,9 @@
 
 A runner turns a batch of model inputs into model-space actions. Two implement the same protocol:
 `EagerRunner` (the reference model, any device) and `FastRunner` (fast/graphs.py: fused weights,
-Triton kernels, CUDA graphs). `Runtime` owns the one that serves (the eager runner until a
-background warm-up hands over to the fast one), the prefix cache both share, and the device lock.
+Triton kernels, CUDA graphs). `Runtime` owns the one that serves (on CUDA the fast one, from its
+first captured batch size on, while the rest are captured: runtime/capture.py), the prefix cache
+both share, and the device lock.
 
 `Runtime.launch` only enqueues a batch (inputs in, graphs, actions back into host memory, all in
 stream order) and returns at once; `Launched.wait` blocks until that batch is done. So the host can
@@ -16,19 +17,21 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..config import PolicyConfig, RuntimeConfig, prompt_lengths
-from ..errors import ConfigError
+from ..errors import ConfigError, NotServing
 from ..model.flow import PrefixContext
 from ..model.pi05 import Pi05Model
 from ..model.rtc import RTCGuidance
 from ..processing.prepare import to_device
 from ..types import ModelInputs
+from .capture import GraphKey, capture_plan
 from .device import synchronize
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
@@ -135,13 +138,30 @@ class Launched:
 
 
 class Runtime:
-    """Serves batches on one device: picks the runner, consults the prefix cache, times the stages."""
+    """Serves batches on one device: picks the runner, consults the prefix cache, times the stages.
+
+    On the CUDA fast path the runner's graphs are captured in runtime/capture.py's plan order and
+    `state` moves: "warming_up" (nothing can run yet) -> "capturing" (every batch-1 graph is
+    captured: `serving` is set and batches run, on the captured sizes, while a background thread
+    captures the rest) -> "ready" (all captured); or -> "failed" (a capture raised: logged, named
+    in stats()["graphs"]["error"]; batches keep running on the graphs captured before, or, if that
+    was before batch 1's, fail with NotServing). Elsewhere (the eager model) it is "ready" at once.
+    `warmup="blocking"` returns from the constructor once all are captured (a failure raises);
+    "background" returns at once, and a batch launched before `serving` waits for it, at most
+    SERVING_WAIT_S.
+    """
+
+    # How long a batch launched before batch 1's graphs exist waits for them before NotServing:
+    # above any warm-up measured (batch 1's kernels compile and its graphs capture in seconds; quack's
+    # compiles took ~33 s), and bounded so a stuck warm-up surfaces as errors, not as hung requests.
+    SERVING_WAIT_S = 120.0
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
-                 dtype: torch.dtype, revision: str):
+                 dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
-        # Device work holds this lock; a background warm-up takes it while it captures a CUDA graph
-        # (a capture fails if another thread touches the legacy default stream meanwhile).
+        self.progress = progress  # a progress bar on stderr while graphs are captured
+        # Device work holds this lock; a warm-up takes it while it captures a CUDA graph (a capture
+        # fails if another thread touches the device meanwhile).
         self.device_lock = threading.RLock()
         self.offload = None
         if runtime.profile.offload:
@@ -151,7 +171,12 @@ class Runtime:
         self.runner: Runner = EagerRunner(model, device)
         self.fast_path = False
         self.graph_bytes = 0  # device memory the fast path's buffers and graphs took at warm-up
-        self.state = "ready"  # "warming_up" while a background warm-up runs; "ready" once the runner is final
+        self.state = "ready"  # see the class docstring
+        self.serving = threading.Event()  # set once batches can run
+        self.serving.set()
+        self._settled = threading.Event()  # set once serving, or failed before it
+        self._settled.set()
+        self._graphs = _GraphProgress([])
         # The profile bounds the cache (one entry is a whole prefix's K/V: ~18 MB at full size).
         entries = min(runtime.prefix_cache, runtime.profile.prefix_cache_entries)
         if entries < runtime.prefix_cache:
@@ -173,49 +198,98 @@ class Runtime:
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
-                          gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library)
-        if not background:
-            self._warm_up(fast)
-            self.runner, self.fast_path = fast, True
-            return
-        self.state = "warming_up"
-        threading.Thread(target=self._warm_up_then_switch, args=(fast,), name="vlaserve-warmup", daemon=True).start()
-
-    def _warm_up_then_switch(self, fast) -> None:
-        started = time.perf_counter()
-        try:
-            self._warm_up(fast)
-        except Exception:
-            log.exception("fast path warm-up failed; serving continues with the eager model")
-            self.state = "ready"
-            return
-        self.runner, self.fast_path, self.state = fast, True, "ready"
-        log.info("fast path ready after %.1f s of background warm-up (kernels compiled, graphs captured)",
-                 time.perf_counter() - started)
-
-    def _warm_up(self, fast) -> None:
-        """Every graph the server will replay, captured before it is ready: each batch size of
-        settings.graph_sizes (all up to the batch limit, or the ladder), each prompt bucket and the
-        checkpoint's prompt length, each camera layout, the checkpoint's step count, with and
-        without RTC."""
-        started = time.perf_counter()
+                          gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
+                          warmups=self.settings.capture_warmups)
+        lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
+        plan = capture_plan(self.settings.graph_sizes, lengths, len(self.config.cameras))
+        if self.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only
+            plan = [key for key in plan if not key.is_prefix]
         # The allocator's reserved bytes, its unused cache returned first on both sides: what stays is
         # the static buffers and the graphs' private pools (free device memory also moves with other
         # processes and with what loading left cached).
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        sizes = self.settings.graph_sizes
-        lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
-        fast.warmup(sizes, self.config.num_inference_steps, lengths)
-        torch.cuda.empty_cache()
-        self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile, self.settings.batch_limit,
-                                   graph_batches=self.settings.graph_batches)
-        log.info("fast path: %d CUDA graphs captured for batch sizes %s and prompt lengths %s in %.1f s, %.2f GiB "
-                 "of device memory (the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
-                 ",".join(map(str, sizes)), ",".join(map(str, lengths)), time.perf_counter() - started,
-                 self.graph_bytes / 2**30, (estimate.kv_and_buffers + estimate.activations) / 2**30)
+
+        def measure() -> None:
+            fast.release_scratch()
+            torch.cuda.empty_cache()
+            self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+            shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+            estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile,
+                                       self.settings.batch_limit, graph_batches=self.settings.graph_batches)
+            log.info("fast path: %d CUDA graphs for batch sizes %s and prompt lengths %s, %.2f GiB of device "
+                     "memory (the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
+                     ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
+                     self.graph_bytes / 2**30, (estimate.kv_and_buffers + estimate.activations) / 2**30)
+
+        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure)
+
+    def serve_while_capturing(self, runner, plan: list[GraphKey], num_steps: int, background: bool,
+                              finish=lambda: None) -> None:
+        """Serves with `runner` from the plan's first batch size on: captures the plan (runner.capture
+        (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
+        graphs are captured, and calls `finish` once all are, before "ready". `background`: the
+        captures run in a thread and this returns at once; else they run here and a failure raises."""
+        self.runner, self.fast_path = runner, True
+        self._graphs = _GraphProgress(plan)
+        self.state = "warming_up"
+        self.serving.clear()
+        self._settled.clear()
+        if not background:
+            self._capture(runner, num_steps, finish, reraise=True)
+            return
+        threading.Thread(target=self._capture, args=(runner, num_steps, finish, False), name="vlaserve-capture",
+                         daemon=True).start()
+
+    def _capture(self, runner, num_steps: int, finish, reraise: bool) -> None:
+        graphs = self._graphs
+        first = min((key.batch for key in graphs.plan), default=0)
+        serve_at = sum(key.batch == first for key in graphs.plan)  # the plan lists them first
+        try:
+            with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
+                      disable=not self.progress) as bar:
+                if not serve_at:
+                    self._start_serving()
+                for key in graphs.plan:
+                    bar.set_postfix_str(str(key), refresh=False)
+                    graphs.captured(key, *runner.capture(key, num_steps))
+                    bar.update()
+                    if len(graphs.done) == serve_at:
+                        self._start_serving()
+            finish()
+        except Exception as e:
+            graphs.error = f"{type(e).__name__}: {e}"
+            self.state = "failed"
+            self._settled.set()
+            log.exception("CUDA graph capture failed after %d of %d graphs (%s); %s", len(graphs.done),
+                          len(graphs.plan), graphs.error,
+                          "batches run on the graphs captured before it" if self.serving.is_set()
+                          else "no batch can run: restart the server, or serve with --no-fast-path")
+            if reraise:
+                raise
+            return
+        graphs.all_captured_after_s = time.perf_counter() - graphs.started
+        self.state = "ready"
+        log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures)",
+                 graphs.all_captured_after_s, graphs.warmup_s, graphs.capture_s)
+
+    def _start_serving(self) -> None:
+        graphs = self._graphs
+        graphs.serving_after_s = time.perf_counter() - graphs.started
+        self.state = "capturing"
+        self.serving.set()
+        self._settled.set()
+        log.info("serving after %.1f s: batch %s's CUDA graphs are captured; %d more in the background",
+                 graphs.serving_after_s, min((k.batch for k in graphs.plan), default=1),
+                 len(graphs.plan) - len(graphs.done))
+
+    def _wait_until_serving(self) -> None:
+        graphs = self._graphs
+        if not self._settled.wait(self.SERVING_WAIT_S):
+            raise NotServing(f"the fast path's batch-1 CUDA graphs are still being captured after "
+                             f"{self.SERVING_WAIT_S:.0f} s of waiting ({len(graphs.done)} of {len(graphs.plan)} captured)")
+        if not self.serving.is_set():
+            raise NotServing(f"the fast path failed to warm up ({graphs.error}); see the server log")
 
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
                use_cache: list[bool] | None = None, graphs: bool = True) -> "Launched":
@@ -232,6 +306,8 @@ class Runtime:
             if use_cache is None or use_cache[i] else None
             for i in range(len(inputs.tokens))]
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
+        if not self.serving.is_set():
+            self._wait_until_serving()  # outside the lock: the warm-up takes it to capture
         with self.device_lock:
             runner = self.runner
             # non_blocking: a plain copy would wait for the batch the device is still running.
@@ -258,14 +334,49 @@ class Runtime:
             torch.set_num_threads(1)
 
     def _quiet(self):
-        """What a wait on the device outside `device_lock` holds: the lock itself while a background
-        warm-up may capture graphs; nothing once ready (nothing is captured after that)."""
-        return self.device_lock if self.state == "warming_up" else contextlib.nullcontext()
+        """What a wait on the device outside `device_lock` holds: the lock itself while a warm-up may
+        capture graphs; nothing after (nothing is captured then)."""
+        return self.device_lock if self.state in ("warming_up", "capturing") else contextlib.nullcontext()
 
     def stats(self) -> dict:
         runner = self.runner
         return {"state": self.state, "fast_path": self.fast_path,
                 "graph_captures": getattr(runner, "captures", 0), "uncaptured_calls": getattr(runner, "uncaptured_calls", 0),
-                "padded_calls": getattr(runner, "padded_calls", 0), "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
-                "graph_bytes": self.graph_bytes,
+                "padded_calls": getattr(runner, "padded_calls", 0), "split_calls": getattr(runner, "split_calls", 0),
+                "request_path_captures": getattr(runner, "request_path_captures", 0),
+                "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
+                "graph_bytes": self.graph_bytes, "graphs": self._graphs.stats(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
+
+
+@dataclass
+class _GraphProgress:
+    """Where a capture plan stands, for stats()["graphs"]: seconds since the warm-up began."""
+
+    plan: list[GraphKey]
+    done: list[str] = field(default_factory=list)
+    per_graph: list[dict] = field(default_factory=list)  # {"shape", "warmup_s", "capture_s"} in plan order
+    started: float = field(default_factory=time.perf_counter)
+    serving_after_s: float | None = None
+    all_captured_after_s: float | None = None
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    error: str | None = None
+
+    def __post_init__(self):
+        if not self.plan:  # nothing to capture (the eager model): serving, and all captured, at once
+            self.serving_after_s = self.all_captured_after_s = 0.0
+
+    def captured(self, key: GraphKey, warmup_s: float, capture_s: float) -> None:
+        self.warmup_s += warmup_s
+        self.capture_s += capture_s
+        self.per_graph.append({"shape": str(key), "warmup_s": round(warmup_s, 4), "capture_s": round(capture_s, 4)})
+        self.done.append(str(key))
+
+    def stats(self) -> dict:
+        done = list(self.done)
+        pending = [str(key) for key in self.plan[len(done):]]
+        return {"captured": len(done), "total": len(self.plan), "pending": len(pending), "captured_shapes": done,
+                "pending_shapes": pending, "serving_after_s": self.serving_after_s,
+                "all_captured_after_s": self.all_captured_after_s, "warmup_s": self.warmup_s,
+                "capture_s": self.capture_s, "per_graph": list(self.per_graph), "error": self.error}

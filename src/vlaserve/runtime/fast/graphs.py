@@ -3,15 +3,18 @@ them), one graph for the prefix (per batch size, prompt length and vision slots)
 Euler steps (per batch size, prompt length, step count and RTC on/off), replayed back to back with
 events between them.
 
-`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (or run: a batch size `warmup`
-did not capture, and the offload profile's prefix, run the same kernels without a graph), and
-return without waiting; `sample` also waits, and copies the actions out. Which sizes are captured
-is the caller's (RuntimeConfig.graph_sizes, up to its batch limit).
+`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (a batch size not captured
+for this shape runs as captured ones: padded or split, runtime/capture.py `route`; the offload
+profile's prefix runs the same kernels without a graph), and return without waiting; `sample` also
+waits, and copies the actions out. Which graphs are captured, and when, is the caller's
+(`capture`, one at a time, in runtime/capture.py's plan: RuntimeConfig.graph_sizes x prompt
+lengths x camera layouts x RTC).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,7 @@ from ...config import PolicyConfig
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance
 from ...types import ModelInputs
+from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
 from .model import StaticRTC
@@ -27,18 +31,13 @@ from .pi0 import FastPi0, fast_model
 
 
 class _Graph:
-    def __init__(self, fn, pool, stream: torch.cuda.Stream, capture_lock):
-        # Warm up on a side stream (allocator + library handles), then capture. One stream per
-        # engine: each new stream would get (and keep) its own cuBLAS workspace.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
+    """One captured call. A capture records and runs nothing: the kernels it records must have run
+    before (a warm-up compiles them), and no other thread may touch the device meanwhile (the
+    caller holds the device lock)."""
+
+    def __init__(self, fn, pool, stream: torch.cuda.Stream):
         self.graph = torch.cuda.CUDAGraph()
-        # The warm-up runs above (which compile the Triton kernels: the slow part) may overlap the
-        # serving thread's eager calls; the capture itself holds the policy's device lock.
-        with capture_lock, torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn()
 
     def replay(self):
@@ -59,57 +58,110 @@ class EventTimes:
         return {"prefix_ms": self.start.elapsed_time(self.mid), "denoise_ms": self.mid.elapsed_time(self.end)}
 
 
+@dataclass(frozen=True)
+class PartTimes:
+    """Stage times of a batch run as parts (`route`): from the first part's start to the last's
+    end, of which the parts' prefixes are the prefix time and the rest the denoise time."""
+
+    parts: list[EventTimes]
+
+    def read(self) -> dict[str, float]:
+        prefix = sum(part.read()["prefix_ms"] for part in self.parts)
+        total = self.parts[0].start.elapsed_time(self.parts[-1].end)
+        return {"prefix_ms": prefix, "denoise_ms": total - prefix}
+
+
 class FastRunner:
     """Runs batches through the fast path (FastPi05, or FastPi0): fused weights, Triton kernels, CUDA graphs.
 
     With a `layer_stream` (offload) the prefix runs the same kernels outside graphs, as its weights
     arrive layer by layer; the Euler steps stay in graphs.
+
+    `capture` takes one graph of a plan (runtime/capture.py) at a time, beside serving: its warm-up
+    runs on scratch buffers of the same shapes (never on the static buffers a served graph reads),
+    once per kernel signature (`warmups="per_graph"`: twice before every graph, the older way,
+    kept to compare); the capture itself holds the device lock. From the first `capture` on the
+    request path never captures: a batch whose graphs are not captured (yet) runs on captured
+    sizes of its shape (`route`: padded, or split), and only a shape with none runs without graphs
+    (counted in `uncaptured_calls`).
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  device_lock=None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton"):
+                 attention_library: str = "triton", warmups: str = "per_kernel"):
+        # warmups: RuntimeConfig.capture_warmups ("per_kernel", or "per_graph")
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = model.action_in_proj.weight.device
-        self.use_graphs = use_graphs
+        self.use_graphs, self.warmups, self.gemm_library = use_graphs, warmups, gemm_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
         self._device_lock = device_lock if device_lock is not None else threading.RLock()
         self._buffers: dict[tuple, dict] = {}
+        self._scratch: dict[tuple, object] = {}  # warm-up buffers of the batch size being captured
+        self._scratch_batch = 0
+        self._warmed: set[tuple] = set()  # kernel signatures a warm-up has run
         self._rtc: dict[tuple, StaticRTC] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
-        # After `capture_all`, nothing is captured on the request path: a shape outside the captured
-        # set runs the same kernels without a graph, and is counted.
-        self.frozen = False
-        self.captures = 0
-        self.uncaptured_calls = 0
-        self.padded_calls = 0  # batches run padded to the next captured size (graph_batches "ladder")
-        self._sizes: tuple[int, ...] = ()  # the batch sizes `warmup` captured
         self._denoise_graphs: dict[tuple, _Graph] = {}
+        self.frozen = False  # captures only through `capture` (a plan), never on the request path
+        self.captures = 0
+        self.request_path_captures = 0  # captures inside `launch` (a runner without a plan)
+        self.uncaptured_calls = 0
+        self.padded_calls = 0  # batches run padded to a larger captured size (`route`)
+        self.split_calls = 0  # batches run as several captured sizes while graphs are being captured
+        self._sizes: set[int] = set()  # the batch sizes `capture` was given
+        self._last_rows: list = []  # per item of the last call: (buffers, row), or its prefix entry copied
+
+    def _buffer_set(self, store: dict, b: int, token_len: int) -> dict:
+        if (b, token_len) not in store:
+            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
+            full = self.config.max_token_len
+            store[(b, token_len)] = (spec.views(self._buffer_set(store, b, full)) if token_len < full
+                                     else spec.allocate(self.device))
+        return store[(b, token_len)]
 
     def buffers(self, b: int, token_len: int) -> dict:
         """The static buffers of batch size b: allocated at the checkpoint's prompt length, views of
         those for a shorter one (a prompt bucket; the calls of one runner run in stream order)."""
-        if (b, token_len) not in self._buffers:
-            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
-            full = self.config.max_token_len
-            self._buffers[(b, token_len)] = (spec.views(self.buffers(b, full)) if token_len < full
-                                             else spec.allocate(self.device))
-        return self._buffers[(b, token_len)]
+        return self._buffer_set(self._buffers, b, token_len)
+
+    def _rtc_buffers(self, b: int, token_len: int, num_steps: int, store: dict | None = None) -> StaticRTC:
+        store = self._rtc if store is None else store
+        key = ("rtc", b, token_len, num_steps)
+        if key not in store:
+            store[key] = StaticRTC.allocate(b, self.config.action_horizon, self.config.model.max_action_dim,
+                                            num_steps, self.device)
+        return store[key]
+
+    def _warm_up(self, fn, runs: int) -> None:
+        """Runs `fn` on the capture stream (compiling its kernels, creating the library handles a
+        capture needs), and waits for it on the host only: serving's stream never waits."""
+        stream = self._capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(runs):
+                fn()
+        stream.synchronize()
+
+    def _new_graph(self, fn) -> _Graph:
+        return _Graph(fn, self._pool, self._capture_stream)
 
     def _graphed(self, graphs: dict, key: tuple, fn):
         if key not in graphs:
             if self.frozen:
                 self.uncaptured_calls += 1
                 return fn()
-            graphs[key] = _Graph(fn, self._pool, self._capture_stream, self._device_lock)
+            self._warm_up(fn, 2)  # a runner without a plan (benchmarks, tests): on its own buffers
+            with self._device_lock:
+                graphs[key] = self._new_graph(fn)
             self.captures += 1
+            self.request_path_captures += 1
         return graphs[key].replay()
 
-    def _prefix(self, buf, vision_slots: int, graphs: bool):
+    def _prefix_fn(self, buf, vision_slots: int):
         def run():
             pad = self.fast.prefix(buf["images"], buf["image_masks"], buf["tokens"], buf["token_mask"],
                                    buf["k_cache"], buf["v_cache"], vision_slots)
@@ -118,30 +170,89 @@ class FastRunner:
             buf["pad"].copy_(pad)
             return buf["pad"]
 
+        return run
+
+    def _denoise_fn(self, buf, num_steps: int, rtc: StaticRTC | None):
+        def run():
+            sched = self.fast.schedule(num_steps)
+            return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
+
+        return run
+
+    def _prefix(self, buf, vision_slots: int, graphs: bool):
+        run = self._prefix_fn(buf, vision_slots)
         if self.fast.layer_stream is not None:
-            with self._device_lock:  # the layer slots are shared with the eager model's calls during a warm-up
+            with self._device_lock:  # every call streams its layers through the same slots: one at a time
                 return run()
         if graphs:
             return self._graphed(self._prefix_graphs, (*buf["tokens"].shape, vision_slots), run)
         return run()
 
     def _denoise(self, buf, num_steps: int, rtc: StaticRTC | None, graphs: bool):
-        def run():
-            sched = self.fast.schedule(num_steps)
-            return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
-
+        run = self._denoise_fn(buf, num_steps, rtc)
         if graphs:
             self.fast.schedule(num_steps)  # its tensors are allocated outside the capture
             return self._graphed(self._denoise_graphs, (*buf["tokens"].shape, num_steps, rtc is not None), run)
         return run()
 
     def _static_rtc(self, b: int, token_len: int, num_steps: int, rtc: RTCGuidance) -> StaticRTC:
-        key = (b, token_len, num_steps)
-        if key not in self._rtc:
-            self._rtc[key] = StaticRTC.allocate(b, self.config.action_horizon, self.config.model.max_action_dim,
-                                                num_steps, self.device)
-        self._rtc[key].fill(rtc, self.fast.schedule(num_steps).times)
-        return self._rtc[key]
+        static = self._rtc_buffers(b, token_len, num_steps)
+        static.fill(rtc, self.fast.schedule(num_steps).times)
+        return static
+
+    def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
+        """Captures one graph of a plan -> seconds (warm-up, capture). Safe beside serving: the
+        warm-up (where this kernel signature has not run: the prefix once per batch size and
+        length, at the plan's first camera layout; the Euler steps once per batch size, length and
+        RTC) runs on scratch buffers, outside the device lock; the capture, on the static buffers,
+        holds it. A batch size's scratch buffers go when the plan moves to another size."""
+        self.frozen = True
+        self._sizes.add(key.batch)
+        if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
+            return 0.0, 0.0  # nothing to capture: no graphs, or the offload profile's prefix
+        b, length = key.batch, key.length
+        if key.is_prefix:
+            # One camera layout differs from another in SigLIP's batch (b x slots images) only: the same
+            # Triton specializations; quack's CuTe kernels may compile per GEMM shape, so each warms up.
+            graphs, graph_key = self._prefix_graphs, (b, length, key.slots)
+            signature = ("prefix", b, length, key.slots if self.gemm_library == "quack" else None)
+            make = lambda buf, rtc: self._prefix_fn(buf, key.slots)  # noqa: E731
+        else:
+            self.fast.schedule(num_steps)  # allocated outside the capture
+            graphs, graph_key = self._denoise_graphs, (b, length, num_steps, key.rtc)
+            signature = ("denoise", b, length, key.rtc)
+            make = lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None)  # noqa: E731
+        if graph_key in graphs:
+            return 0.0, 0.0
+        started = time.perf_counter()
+        runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
+        if runs:
+            if self._scratch_batch != b:
+                self._scratch, self._scratch_batch = {}, b
+            with torch.cuda.stream(self._capture_stream):  # allocated where they are used
+                scratch = self._buffer_set(self._scratch, b, length)
+                scratch_rtc = self._rtc_buffers(b, length, num_steps, self._scratch)
+            self._warm_up(make(scratch, scratch_rtc), runs)
+            self._warmed.add(signature)
+        warmed = time.perf_counter()
+        with self._device_lock:
+            locked = time.perf_counter()
+            buf, rtc = self.buffers(b, length), self._rtc_buffers(b, length, num_steps)
+            graphs[graph_key] = self._new_graph(make(buf, rtc))
+            self.captures += 1
+        return warmed - started, time.perf_counter() - locked
+
+    def release_scratch(self) -> None:
+        """Frees the warm-up buffers (once the plan is done)."""
+        self._scratch, self._scratch_batch = {}, 0
+
+    def captured_sizes(self, token_len: int, vision_slots: int, num_steps: int, rtc: bool,
+                       with_prefix: bool = True) -> list[int]:
+        """The batch sizes whose graphs for this shape are captured (the prefix's only where the
+        call runs it: not for cached prefixes, nor offloaded ones)."""
+        with_prefix = with_prefix and self.fast.layer_stream is None
+        return [b for b in sorted(self._sizes) if (b, token_len, num_steps, rtc) in self._denoise_graphs
+                and (not with_prefix or (b, token_len, vision_slots) in self._prefix_graphs)]
 
     def _prefix_len(self, buf) -> int:
         return buf["pad"].shape[1] - (1 if self.state_dim else 0)
@@ -165,23 +276,56 @@ class FastRunner:
     def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None, graphs: bool = True):
         """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
-        next call overwrites in stream order; its EventTimes). Nothing here waits for the device.
+        next call overwrites in stream order; its stage times). Nothing here waits for the device.
 
         `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP).
-        `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor padded."""
+        `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor
+        padded. A batch size without graphs for this shape runs as captured ones (`route`)."""
         b, token_len = inputs.tokens.shape
-        padded = graphs and self.frozen and b not in self._sizes
-        target = next((s for s in self._sizes if s >= b), b) if padded else b
-        if target != b:  # a ladder: run at the next captured size, the last item repeated, and keep b rows
-            self.padded_calls += 1
-            p_inputs, p_noise, p_rtc, p_prefix = _padded(target, inputs, noise, rtc, prefix)
-            out, times = self.launch(p_inputs, p_noise, num_steps, p_rtc, p_prefix, vision_slots)
-            return out[:b], times
-        buf = self.buffers(b, token_len)
-        graphs = graphs and self.use_graphs
         if vision_slots is None:
             vision_slots = inputs.vision_slots()
+        graphs = graphs and self.use_graphs
+        parts = [(b, b)]
+        if graphs and self.frozen:
+            captured = self.captured_sizes(token_len, vision_slots, num_steps, rtc is not None, prefix is None)
+            parts = route(b, captured) or parts  # none: run as it is (uncaptured, counted)
+        if parts == [(b, b)]:
+            out, times = self._launch(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
+            self._last_rows = [(self._last, i) for i in range(b)]
+            return out, times
+        return self._launch_parts(parts, inputs, noise, num_steps, rtc, prefix, vision_slots)
+
+    def _launch_parts(self, parts: list[tuple[int, int]], inputs, noise, num_steps, rtc, prefix, vision_slots):
+        """One batch as several calls of captured sizes, the last padded where `route` says; their
+        actions gathered into one [B, H, A] tensor in the items' order."""
+        self.padded_calls += any(rows < size for size, rows in parts)
+        self.split_calls += len(parts) > 1
+        out, times, rows_of, first = None, [], [], 0
+        for j, (size, rows) in enumerate(parts):
+            part = _rows(slice(first, first + rows), inputs, noise, rtc, prefix)
+            if rows < size:  # the batch's last item repeated: its rows are computed and dropped
+                part = _padded(size, *part)
+            part_out, part_times = self._launch(*part[:2], num_steps, part[2], part[3], vision_slots, True)
+            if out is None:
+                out = torch.empty((inputs.tokens.shape[0], *part_out.shape[1:]), dtype=part_out.dtype,
+                                  device=part_out.device)
+            out[first:first + rows].copy_(part_out[:rows])  # the next replay overwrites the graph's output
+            # The prefix cache asks for each item's K/V after the call: copy them now where a later
+            # part of the same size reuses these buffers.
+            reused = any(s == size for s, _ in parts[j + 1:])
+            rows_of += [self._entry(self._last, i) if reused else (self._last, i) for i in range(rows)]
+            times.append(part_times)
+            first += rows
+        self._last_rows = rows_of
+        return out, PartTimes(times)
+
+    def _events(self):
+        return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+
+    def _launch(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs):
+        b, token_len = inputs.tokens.shape
+        buf = self.buffers(b, token_len)
         if prefix is None:
             for name in ("images", "image_masks", "tokens", "token_mask"):
                 buf[name].copy_(getattr(inputs, name))
@@ -189,7 +333,7 @@ class FastRunner:
                 buf["state"].copy_(inputs.state)
         buf["noise"].copy_(noise)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
-        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start, mid, end = self._events()
         start.record()
         if prefix is not None:
             self.restore_prefix(buf, prefix)
@@ -206,36 +350,33 @@ class FastRunner:
         self._last = buf
         return out, EventTimes(start, mid, end)
 
-    def prefix_entry(self, i: int) -> PrefixEntry:
-        """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
-        buf = self._last
+    def _entry(self, buf, i: int) -> PrefixEntry:
         plen = self._prefix_len(buf)
         return PrefixEntry(buf["k_cache"][:, i, :plen].clone(), buf["v_cache"][:, i, :plen].clone(),
                            buf["pad"][i].clone())
 
-    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] | None = None) -> None:
-        """Compiles the kernels and captures the graphs of every batch size in `batch_sizes`, every
-        prompt length in `token_lens` (config.prompt_lengths; default the checkpoint's), every
-        camera layout (how many leading slots are present), with and without RTC; then freezes."""
-        cameras, horizon, width = len(self.config.cameras), self.config.action_horizon, self.config.model.max_action_dim
-        lengths = sorted(token_lens or (self.config.max_token_len,), reverse=True)
-        # Largest first, as nano-vllm does: the graphs share one pool, and a smaller batch's tensors
-        # then fit in blocks a larger one freed (ascending, each size grew the pool anew: run 32).
-        for b in sorted(batch_sizes, reverse=True):
-            for length in lengths:
-                buf = self.buffers(b, length)
-                noise = torch.randn_like(buf["noise"])
-                for slots in range(cameras, 0, -1):
-                    masks = torch.arange(cameras, device=self.device)[None].expand(b, -1) < slots
-                    inputs = ModelInputs(buf["images"], masks.contiguous(), buf["tokens"], buf["token_mask"],
-                                         buf.get("state"))
-                    self.sample(inputs, noise, num_steps, None, vision_slots=slots)
-                rtc = RTCGuidance(torch.zeros(b, horizon, width, device=self.device),
-                                  torch.zeros(b, horizon, device=self.device), torch.zeros(b, device=self.device))
-                self.sample(inputs, noise, num_steps, rtc, vision_slots=slots)  # the last layout
-        self._sizes = tuple(sorted(batch_sizes))
-        self.frozen = True
+    def prefix_entry(self, i: int) -> PrefixEntry:
+        """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
+        row = self._last_rows[i]
+        return row if isinstance(row, PrefixEntry) else self._entry(*row)
 
+    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] | None = None) -> None:
+        """Captures every graph of `batch_sizes` x `token_lens` (config.prompt_lengths; default the
+        checkpoint's) x camera layouts x RTC on/off, in `capture_plan`'s order, here and now."""
+        for key in capture_plan(tuple(batch_sizes), tuple(token_lens or (self.config.max_token_len,)),
+                                len(self.config.cameras)):
+            self.capture(key, num_steps)
+
+
+def _rows(rows: slice, inputs: ModelInputs, noise, rtc: RTCGuidance | None, prefix):
+    """The batch's items `rows`: (inputs, noise, rtc, prefix entries)."""
+    def take(t):
+        return None if t is None else t[rows]
+
+    part = ModelInputs(*(take(t) for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask,
+                                           inputs.state)))
+    part_rtc = None if rtc is None else RTCGuidance(take(rtc.prev), take(rtc.weights), take(rtc.max_weight))
+    return part, take(noise), part_rtc, None if prefix is None else prefix[rows]
 
 def _padded(size: int, inputs: ModelInputs, noise, rtc: RTCGuidance | None, prefix):
     """The batch grown to `size` rows by repeating its last item (its rows are computed and dropped;

@@ -1,0 +1,315 @@
+"""Serving from the first captured CUDA graph (runtime/capture.py, FastRunner.capture / launch,
+Runtime's states): the capture plan's order and completeness, how a batch runs while its own graphs
+are not captured yet, and the states warming_up -> capturing -> ready.
+
+CUDA graphs need a GPU. Here the real FastRunner runs on the CPU with the stock kernels, and a
+"graph" is its function, run on replay: what is tested is everything around the capture — which
+graphs exist when, which captured sizes a batch runs as, the rows it gets back, the prefix K/V the
+cache reads after a split call, and that the request path never captures.
+"""
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+
+from vlaserve.config import RuntimeConfig, graph_batch_sizes
+from vlaserve.errors import ConfigError, NotServing
+from vlaserve.runtime.capture import GraphKey, capture_plan, route
+from vlaserve.runtime.fast.graphs import FastRunner
+from vlaserve.runtime.runner import Runtime
+from vlaserve.types import ModelInputs
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def test_plan_captures_batch_1_first_then_the_rest_largest_first():
+    plan = capture_plan(tuple(range(1, 9)), (96, 200), 3)
+    one = ["b1 L96 cams3", "b1 L96 denoise", "b1 L96 cams2", "b1 L96 cams1", "b1 L96 rtc",
+           "b1 L200 cams3", "b1 L200 denoise", "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
+    assert [str(k) for k in plan[:10]] == one
+    # then the largest size, longest prompt first (the shared pool's order), down to 2
+    assert [str(k) for k in plan[10:15]] == ["b8 L200 cams3", "b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1",
+                                             "b8 L200 rtc"]
+    later = [(k.batch, -k.length) for k in plan[10:]]
+    assert later == sorted(later, key=lambda t: (-t[0], t[1]))
+    assert [k.batch for k in plan[-5:]] == [2] * 5 and plan[-1].length == 96
+
+
+@pytest.mark.parametrize("mode,limit,lengths,cameras", [("all", 8, (96, 200), 3), ("ladder", 8, (200,), 3),
+                                                        ("ladder", 6, (48, 96, 200), 2), ("all", 1, (200,), 1)])
+def test_plan_holds_every_graph_once(mode, limit, lengths, cameras):
+    sizes = graph_batch_sizes(mode, limit)
+    plan = capture_plan(sizes, lengths, cameras)
+    # every prefix graph (batch, length, layout) and Euler-steps graph (batch, length, rtc): the
+    # calls a server makes need one of each
+    prefix = {GraphKey(b, n, c) for b, n, c in itertools.product(sizes, lengths, range(1, cameras + 1))}
+    denoise = {GraphKey(b, n, rtc=r) for b, n, r in itertools.product(sizes, lengths, (False, True))}
+    assert len(plan) == len(set(plan)) == len(prefix | denoise) and set(plan) == prefix | denoise
+    # today's 80 graphs for the default server (batch 1-8, two prompt lengths, three cameras)
+    assert len(capture_plan(tuple(range(1, 9)), (96, 200), 3)) == 80
+
+
+@pytest.mark.parametrize("batch,sizes,parts", [
+    (5, [1], [(1, 1)] * 5),  # only batch 1 so far: five batch-1 replays
+    (5, [1, 8], [(8, 5)]),  # a size within twice the batch: one padded replay
+    (5, [1, 7, 8], [(7, 5)]),  # the smallest such size
+    (5, [1, 4], [(4, 4), (1, 1)]),  # none within 2x: the largest below, then the rest
+    (7, [1, 4], [(4, 4), (4, 3)]),  # ... and the rest padded where it can be
+    (3, [1, 2, 4, 8], [(4, 3)]),  # the ladder, once all are captured
+    (4, range(1, 9), [(4, 4)]),  # captured: as it is
+    (1, [2], [(2, 1)]),
+    (1, [4], []),  # nothing at or below it, nor within 2x: the caller runs it without graphs
+])
+def test_route(batch, sizes, parts):
+    assert route(batch, sizes) == parts
+    if parts:
+        assert sum(rows for _, rows in parts) == batch and all(rows <= size for size, rows in parts)
+
+
+def test_capture_warmups_is_validated():
+    assert RuntimeConfig().capture_warmups == "per_kernel"
+    with pytest.raises(ConfigError, match="capture_warmups"):
+        RuntimeConfig(capture_warmups="twice")
+
+
+# --- FastRunner on the CPU, with graphs that take time to capture -----------------------------
+
+
+class _Graph:
+    """A stand-in for a CUDA graph: replay runs the recorded function (on the static buffers, as a
+    replay would)."""
+
+    replays = 0
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        type(self).replays += 1
+        return self.fn()
+
+
+class _HostEvent:
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return (other.t - self.t) * 1e3
+
+
+class SlowCaptureRunner(FastRunner):
+    """The real FastRunner (buffers, routing, capture bookkeeping) on the CPU's stock kernels; each
+    capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little."""
+
+    def __init__(self, policy, gate=None, fail_at: str | None = None, warmups="per_kernel"):
+        super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, warmups=warmups)
+        self.use_graphs, self.gate, self.fail_at = True, gate, fail_at
+        self.warm_up_runs = 0
+
+    def _warm_up(self, fn, runs):
+        for _ in range(runs):
+            fn()
+        self.warm_up_runs += runs
+
+    def _new_graph(self, fn):
+        return _Graph(fn)
+
+    def _events(self):
+        return _HostEvent(), _HostEvent(), _HostEvent()
+
+    def capture(self, key, num_steps):
+        if str(key) == self.fail_at:
+            raise RuntimeError(f"injected capture failure at {key}")
+        if self.gate is not None:
+            self.gate.acquire()
+        else:
+            time.sleep(0.001)
+        return super().capture(key, num_steps)
+
+
+def _batch(config, b: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n, s, length = len(config.cameras), config.model.vision.image_size, config.max_token_len
+    masks = torch.ones(b, n, dtype=torch.bool)
+    token_mask = torch.arange(length)[None].expand(b, -1) < torch.randint(5, 40, (b, 1), generator=g)
+    inputs = ModelInputs(torch.rand(b, n, 3, s, s, generator=g) * 2 - 1, masks,
+                         torch.randint(0, 1000, (b, length), generator=g) * token_mask, token_mask.contiguous())
+    noise = torch.randn(b, config.action_horizon, config.model.max_action_dim, generator=g)
+    return inputs, noise
+
+
+def _item(inputs: ModelInputs, noise, i: int):
+    return ModelInputs(inputs.images[i:i + 1], inputs.image_masks[i:i + 1], inputs.tokens[i:i + 1],
+                       inputs.token_mask[i:i + 1]), noise[i:i + 1]
+
+
+@pytest.fixture(scope="module")
+def batch1_runner(golden_policy):
+    """A runner whose plan got as far as batch 1 (every layout, RTC), with sizes up to 8 planned."""
+    config = golden_policy.config
+    runner = SlowCaptureRunner(golden_policy)
+    plan = capture_plan(tuple(range(1, 9)), (config.max_token_len,), len(config.cameras))
+    for key in plan[:5]:
+        runner.capture(key, config.num_inference_steps)
+    assert {k.batch for k in plan[:5]} == {1} and runner.captures == 5
+    return runner
+
+
+def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, batch1_runner):
+    runner, config = batch1_runner, golden_policy.config
+    steps = config.num_inference_steps
+    inputs, noise = _batch(config, 5)
+    before = (runner.captures, _Graph.replays, runner.split_calls)
+    out, times = runner.launch(inputs, noise, steps)
+    entries = [runner.prefix_entry(i) for i in range(5)]
+    # five batch-1 calls, each a prefix and a denoise replay; nothing captured on the request path
+    assert (runner.captures, _Graph.replays - before[1], runner.split_calls - before[2]) == (before[0], 10, 1)
+    assert runner.request_path_captures == 0 and runner.uncaptured_calls == 0
+    assert out.shape == (5, config.action_horizon, config.model.max_action_dim)
+    stages = times.read()
+    assert stages["prefix_ms"] > 0 and stages["denoise_ms"] > 0
+    # item i gets exactly what a batch-1 call of item i gives (same batch size: bit for bit), in order
+    for i in range(5):
+        alone, alone_noise = _item(inputs, noise, i)
+        expected, _ = runner.launch(alone, alone_noise, steps)
+        assert torch.equal(out[i], expected[0]), i
+        # the prefix K/V the cache reads after the split call is item i's, though its buffers were reused
+        mine = runner.prefix_entry(0)
+        assert torch.equal(entries[i].k, mine.k) and torch.equal(entries[i].v, mine.v)
+        assert torch.equal(entries[i].pad, mine.pad)
+    assert runner.request_path_captures == 0 and runner.uncaptured_calls == 0
+
+
+def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
+    runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
+    steps = config.num_inference_steps
+    for key in capture_plan((1, 4), (config.max_token_len,), len(config.cameras)):
+        runner.capture(key, steps)
+    inputs, noise = _batch(config, 3, seed=1)
+    out, _ = runner.launch(inputs, noise, steps)
+    assert runner.padded_calls == 1 and runner.split_calls == 0 and runner.uncaptured_calls == 0
+    # the rows of a batch-4 call with the last item repeated (the ladder's padding)
+    grown = ModelInputs(*(torch.cat([t, t[-1:]]) for t in (inputs.images, inputs.image_masks, inputs.tokens,
+                                                            inputs.token_mask)))
+    expected, _ = runner.launch(grown, torch.cat([noise, noise[-1:]]), steps)
+    assert torch.equal(out, expected[:3])
+
+
+def test_one_warm_up_per_kernel_signature(golden_policy):
+    config = golden_policy.config
+    plan = capture_plan((1, 2), (96, config.max_token_len), len(config.cameras))
+    counts = {}
+    for warmups in ("per_kernel", "per_graph"):
+        runner = SlowCaptureRunner(golden_policy, warmups=warmups)
+        for key in plan:
+            warm_s, capture_s = runner.capture(key, config.num_inference_steps)
+            assert warm_s >= 0 and capture_s > 0
+        counts[warmups] = runner.warm_up_runs
+        assert runner.captures == len(plan) == 20
+    # per (batch, length): the prefix once, the Euler steps once without and once with RTC
+    assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
+
+
+# --- Runtime: the states, and requests that arrive before batch 1 is captured ------------------
+
+
+def _serve(policy, background: bool = True, sizes=(1, 2), **runner_options):
+    """A fresh Runtime serving a SlowCaptureRunner while it captures the plan of `sizes`."""
+    config = policy.config
+    runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
+                      torch.float32, "test")
+    runner = SlowCaptureRunner(policy, **runner_options)
+    plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
+    runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background)
+    return runtime, runner, plan
+
+
+def _capture_thread() -> threading.Thread:
+    return next(t for t in threading.enumerate() if t.name == "vlaserve-capture")
+
+
+def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
+    config, gate = golden_policy.config, threading.Semaphore(0)
+    runtime, runner, plan = _serve(golden_policy, gate=gate)
+    assert runtime.state == "warming_up" and not runtime.serving.is_set() and runtime.runner is runner
+    graphs = runtime.stats()["graphs"]
+    assert (graphs["captured"], graphs["total"], graphs["pending"], graphs["serving_after_s"]) == (0, 10, 10, None)
+    assert graphs["pending_shapes"][0] == "b1 L200 cams3"
+
+    inputs, noise = _batch(config, 2, seed=2)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, None).wait()))
+    request.start()
+    request.join(0.2)
+    assert request.is_alive() and not result  # waiting: nothing runs before batch 1's graphs exist
+    for _ in range(5):  # batch 1's five graphs
+        gate.release()
+    request.join()
+    assert runtime.serving.is_set() and runtime.state == "capturing"
+    assert result["out"][0].shape == (2, config.action_horizon, config.model.max_action_dim)
+    assert runner.split_calls == 1 and runner.request_path_captures == 0 and runner.uncaptured_calls == 0
+    graphs = runtime.stats()["graphs"]
+    assert graphs["captured"] == 5 and graphs["pending"] == 5 and graphs["serving_after_s"] > 0
+    assert graphs["captured_shapes"] == [str(k) for k in plan[:5]] and graphs["all_captured_after_s"] is None
+
+    for _ in range(5):
+        gate.release()
+    _capture_thread().join()
+    stats = runtime.stats()
+    assert stats["state"] == "ready" and stats["graph_captures"] == 10 and stats["graphs"]["pending_shapes"] == []
+    assert stats["graphs"]["all_captured_after_s"] >= stats["graphs"]["serving_after_s"]
+    assert [g["shape"] for g in stats["graphs"]["per_graph"]] == [str(k) for k in plan]
+    runtime.launch(inputs, noise, 10, None).wait()  # now batch 2's own graphs
+    assert runner.split_calls == 1 and runner.request_path_captures == 0
+
+
+def test_blocking_returns_with_every_graph_captured(golden_policy):
+    runtime, runner, plan = _serve(golden_policy, background=False)
+    assert runtime.state == "ready" and runtime.serving.is_set() and runner.captures == len(plan)
+
+
+def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
+    runtime, _, _ = _serve(golden_policy, fail_at="b1 L200 cams2")
+    _capture_thread().join()
+    assert runtime.state == "failed" and "injected capture failure" in runtime.stats()["graphs"]["error"]
+    inputs, noise = _batch(golden_policy.config, 1)
+    with pytest.raises(NotServing, match="failed to warm up"):
+        runtime.launch(inputs, noise, 10, None)
+    with pytest.raises(RuntimeError, match="injected"):  # blocking: the error reaches the caller
+        _serve(golden_policy, background=False, fail_at="b1 L200 cams2")
+
+
+def test_a_failure_after_batch_1_keeps_serving_on_the_captured_graphs(golden_policy):
+    runtime, runner, _ = _serve(golden_policy, fail_at="b2 L200 cams3")
+    _capture_thread().join()
+    assert runtime.state == "failed" and runtime.serving.is_set()
+    inputs, noise = _batch(golden_policy.config, 2)
+    assert runtime.launch(inputs, noise, 10, None).wait()[0].shape[0] == 2
+    assert runner.split_calls == 1 and runner.uncaptured_calls == 0
+
+
+def test_waiting_is_bounded(golden_policy):
+    gate = threading.Semaphore(0)
+    runtime, _, plan = _serve(golden_policy, sizes=(1,), gate=gate)
+    runtime.SERVING_WAIT_S = 0.05
+    inputs, noise = _batch(golden_policy.config, 1)
+    with pytest.raises(NotServing, match="still being captured"):
+        runtime.launch(inputs, noise, 10, None)
+    for _ in plan:
+        gate.release()
+    _capture_thread().join()
+    assert runtime.state == "ready"
+
+
+def test_the_eager_runtime_is_ready_at_once(golden_policy):
+    graphs = golden_policy.runtime.stats()["graphs"]
+    assert golden_policy.runtime.serving.is_set()
+    assert graphs == {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
+                      "serving_after_s": 0.0, "all_captured_after_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0,
+                      "per_graph": [], "error": None}
