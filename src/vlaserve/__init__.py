@@ -1,14 +1,10 @@
 """vlaserve: a fast, exact serving runtime for the Pi0.5 robot policy."""
 
-import time
-
+from .about import STARTED, __version__
 from .errors import CheckpointError, InvalidObservation, VlaserveError
 
-__all__ = ["Policy", "InferenceResult", "CheckpointError", "InvalidObservation", "VlaserveError"]
-__version__ = "0.1.0"
-# When this process began loading vlaserve (the `vlaserve` command imports it first, before torch): the
-# start that /metrics' vlaserve_first_action_seconds counts from.
-STARTED = time.perf_counter()
+__all__ = ["Policy", "InferenceResult", "CheckpointError", "InvalidObservation", "VlaserveError", "STARTED",
+           "__version__"]
 
 
 def __getattr__(name: str):

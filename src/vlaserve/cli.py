@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from .about import __version__
 from .checkpoint.files import ReadAhead, read_ahead
 from .demo import DEMO_NAMES
 from .errors import VlaserveError

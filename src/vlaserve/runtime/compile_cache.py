@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..about import __version__
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from ..model.rtc import RTCGuidance
 from ..processing.prepare import to_device
 from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
+from .compile_cache import activate
 from .device import synchronize
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
@@ -195,6 +196,7 @@ class Runtime:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
+        activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
@@ -216,11 +218,12 @@ class Runtime:
             self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
             shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
             estimate = estimate_memory(shapes, self.config, self.dtype, self.settings.profile,
-                                       self.settings.batch_limit, graph_batches=self.settings.graph_batches)
+                                       self.settings.batch_limit, graph_batches=self.settings.graph_batches,
+                                       num_prompt_lengths=len(lengths))
             log.info("fast path: %d CUDA graphs for batch sizes %s and prompt lengths %s, %.2f GiB of device "
                      "memory (the startup check counted %.2f GiB for static buffers and graphs)", fast.captures,
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
-                     self.graph_bytes / 2**30, (estimate.kv_and_buffers + estimate.activations) / 2**30)
+                     self.graph_bytes / 2**30, estimate.engine / 2**30)
 
         self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure)
 

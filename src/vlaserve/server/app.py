@@ -80,7 +80,10 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         stats = service.policy.runtime.stats()
         serving = stats["state"] in SERVING_STATES
         graphs = graph_progress(stats)
-        body = {"status": "ok" if serving else "starting", "model": service.identity["model"],
+        # "failed": a capture failed (the log says why); batches may still run on the graphs captured
+        # before it, but an orchestrator should restart this server.
+        status = "ok" if serving else "failed" if stats["state"] == "failed" else "starting"
+        body = {"status": status, "model": service.identity["model"],
                 "is_demo": service.identity["is_demo"], "graphs": {k: graphs[k] for k in ("captured", "total")}}
         return JSONResponse(body, status_code=200 if serving else 503)
 

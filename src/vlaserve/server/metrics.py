@@ -6,12 +6,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .. import STARTED
+from ..about import STARTED
 
 STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
-# The runtime's graph progress where it has none (the eager runner): nothing captured, nothing to capture.
-NO_GRAPHS = {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
-             "serving_after_s": None, "all_captured_after_s": None, "warmup_s": 0.0, "capture_s": 0.0}
 SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured); "warming_up" does not yet
 # From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -19,7 +16,7 @@ _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 def graph_progress(stats: dict) -> dict:
     """The runtime's CUDA graph progress (runtime.stats()["graphs"]): counts, shapes, times."""
-    return stats.get("graphs", NO_GRAPHS)
+    return stats["graphs"]
 
 
 def _number(value: float | None) -> float:
@@ -52,7 +49,11 @@ class Metrics:
         ran without a graph because their shape was not captured (another step count)."""
         for key, text in (("graph_captures", "CUDA graphs captured (all at startup; flat once ready)"),
                           ("uncaptured_calls", "Calls served without a CUDA graph (shape not captured at startup)"),
-                          ("padded_calls", "Batches run padded to the next captured size (--graph-batches ladder)"),
+                          ("padded_calls", "Batches run padded to a captured size (--graph-batches ladder, or while "
+                                           "graphs are still being captured)"),
+                          ("split_calls", "Batches run split into captured sizes while graphs are still being captured"),
+                          ("request_path_captures", "CUDA graphs captured on a request's path (always 0: captures run "
+                                                    "in the warm-up only)"),
                           ("graph_bytes", "Device bytes the fast path's static buffers and graphs took at startup")):
             gauge = Gauge(f"vlaserve_{key}", text, registry=self.registry)
             gauge.set_function(lambda key=key: stats()[key])

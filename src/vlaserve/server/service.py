@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..batcher import Batcher, BatcherClosed
-from ..errors import InvalidInput, NonFiniteActions
+from ..errors import InvalidInput, NonFiniteActions, NotServing
 from ..processing.images import MAX_IMAGE_SIDE
 from ..processing.layouts import KeyLayout, camera_aliases
 from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
@@ -239,6 +239,8 @@ class Service:
             return api_error(outcome, in_request_body)
         if isinstance(outcome, NonFiniteActions):
             return ApiError(422, "non_finite_actions", str(outcome))
+        if isinstance(outcome, NotServing):  # the warm-up failed or is stuck: this server can't run batches
+            return ApiError(503, "not_serving", str(outcome))
         if isinstance(outcome, asyncio.CancelledError):
             raise outcome
         return ApiError(500, "internal_error", "inference failed; see the server log")  # the batcher logged it
