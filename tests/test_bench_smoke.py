@@ -158,6 +158,21 @@ def test_smoke(script, tmp_path):
     SMOKE[script](tmp_path)
 
 
+def test_bench_serve_startup(tmp_path):
+    """--startup: two restarts, each answering its robots from /healthz on (the CPU's eager runtime
+    has no graphs: every graph is "captured" at once, and none is ever captured on a request's path)."""
+    run("bench_serve", tmp_path, "--startup")
+    r = json.loads((tmp_path / "bench_serve_startup.json").read_text())["startup"]
+    assert set(r) == {"empty_compile_cache", "warm_compile_cache"}
+    for start in r.values():
+        assert start["server_exit_code"] == 0
+        assert start["process_to_every_graph_s"] >= start["process_to_first_action_s"] > start["process_to_healthz_s"] > 0
+        assert start["graphs"]["total"] == start["graphs"]["pending"] == 0
+        assert start["request_path_captures"] == 0
+        fleet = start["fleet"]
+        assert fleet["robots"] == 2 and fleet["answers"] > 0 and fleet["errors"] == fleet["wrong"] == 0
+
+
 @pytest.mark.slow
 def test_bench_gpu_golden_only_and_saved_actions(tmp_path):
     """--golden-only: both families' golden cases and the runtime's exactness checks; --actions saved
