@@ -160,6 +160,8 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         out["process_to_every_graph_s"] = all_captured - started
         out["graphs"] = {k: v for k, v in block.items() if not k.endswith("_shapes")}
         out["seconds_per_graph"] = (block["warmup_s"] + block["capture_s"]) / max(block["total"], 1)
+        meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
+        out["graph_bytes"] = meta.get("graph_bytes")
         time.sleep(seconds_after)
         stop.set()
         for t in threads:
