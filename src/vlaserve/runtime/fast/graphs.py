@@ -209,6 +209,7 @@ class FastRunner:
         static.fill(rtc, self.fast.schedule(num_steps).times)
         return static
 
+    @torch.no_grad()
     def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
         """Captures one graph of a plan -> seconds (warm-up, capture). Safe beside serving: the
         warm-up (where this kernel signature has not run: the prefix once per batch size and
