@@ -84,7 +84,9 @@ class Preprocessor:
 
         normalized_state = self.state_norm.normalize(obs.state)
         prompt, bins = self.family.prompt(obs.task, normalized_state)
-        tokenized = self.tokenizer(prompt, c.max_token_len)
+        # A prompt with state bins is Pi0.5's template: tokenized from cached pieces (the same ids).
+        tokenized = (self.tokenizer(prompt, c.max_token_len) if bins is None
+                     else self.tokenizer.state_prompt(obs.task, bins, c.max_token_len))
         request.prepared = PreparedObservation(
             images=torch.stack(slots), image_mask=torch.tensor([cam in present for cam in slot_cameras]),
             slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
