@@ -34,7 +34,7 @@ def test_every_pair_puts_each_ordered_pair_side_by_side():
 
 
 def test_the_golden_tokenizer_composes(tokenizer):
-    assert tokenizer._state_words() is not False  # a word-splitting BPE: the cached path is the one tested
+    assert tokenizer.state_words() is not False  # a word-splitting BPE: the cached path is the one tested
 
 
 @pytest.mark.parametrize("case_dir", case_dirs(golden_dir()), ids=lambda p: p.name)
@@ -80,7 +80,7 @@ def test_a_tokenizer_merging_across_state_words_tokenizes_whole():
     tok = char_tokenizer(merge="7 1")  # "...7 1..." (one word ending in 7, the next starting with 1) merges
     bins = np.array([17, 12, 5])
     out = tok.state_prompt("task", bins, 64)
-    assert tok._state_words() is False
+    assert tok.state_words() is False
     assert same(out, whole(tok, "task", bins, 64)) and 9999 in out.ids
 
 
@@ -89,7 +89,7 @@ def test_a_task_whose_end_merges_with_the_state_is_tokenized_whole_and_not_cache
     bins = np.array([3, 4])
     for task in ("zz", "zz", "plain"):
         assert same(tok.state_prompt(task, bins, 64), whole(tok, task, bins, 64))
-    assert tok._state_words() is not False
+    assert tok.state_words() is not False
     assert list(tok._heads) == ["plain"]
 
 
@@ -110,3 +110,9 @@ def test_the_task_cache_is_bounded_least_recently_used_first():
     for task in ("a", "b", "c", "a", "d"):  # "a" used again: "b" is the oldest when "d" comes
         tok.state_prompt(task, bins, 32)
     assert list(tok._heads) == ["c", "a", "d"]
+
+
+def test_a_pi05_policy_checks_its_state_words_at_load(golden_policy):
+    """Ready before the first frame, so no frame pays the check."""
+    words = golden_policy.preprocessor.tokenizer._words
+    assert words is not None and words is not False

@@ -44,6 +44,8 @@ class Preprocessor:
         # resolved by RuntimeConfig.resolved_prompt_buckets). Padding is masked, so actions change
         # only by float reassociation.
         self.prompt_buckets = prompt_lengths(prompt_buckets, config.max_token_len) if prompt_buckets else ()
+        if not family.state_to_model:  # the state goes into the prompt: its token pieces are ready before a frame
+            tokenizer.state_words()
 
     @property
     def noise_shape(self) -> tuple[int, int]:

