@@ -64,6 +64,12 @@ def test_random_states_and_tasks_match_the_whole_prompt(tokenizer):
         assert same(tokenizer.state_prompt(task, bins, max_len), whole(tokenizer, task, bins, max_len)), (task, bins)
 
 
+def test_bins_outside_the_discretized_range_are_tokenized_whole(tokenizer):
+    for bins in ([256, 3], [-2], [1, 1000]):  # (never from discretize_state; no table lookup goes wrong)
+        bins = np.array(bins)
+        assert same(tokenizer.state_prompt("task", bins, 64), whole(tokenizer, "task", bins, 64))
+
+
 def char_tokenizer(merge: str | None = None) -> PromptTokenizer:
     """One id per character; `merge`, where it occurs in a text, becomes the single id 9999."""
     def encode(text: str) -> list[int]:

@@ -135,11 +135,12 @@ class PromptTokenizer:
         seen. The pieces each start a word; a tokenizer that splits words before merging (PaliGemma's
         SentencePiece, and BPEs with a whitespace pre-tokenizer) gives the same ids for the pieces
         apart as together. That is checked, not assumed: every ordered pair of state words and every
-        last word at first use, and each task's head against the whole prompt when it enters the
-        cache; a tokenizer that fails the check tokenizes whole prompts."""
+        last word once per tokenizer (state_words), and each task's head against the whole prompt when
+        it enters the cache; a tokenizer that fails the check tokenizes whole prompts, and so does a
+        state without dims or with a bin discretize_state never gives."""
         words = self.state_words()
         values = bins.tolist()
-        if not words or not values:
+        if not words or not values or min(values) < BIN_VALUES[0] or max(values) > BIN_VALUES[-1]:
             return self(build_prompt(task, bins), max_len)
         inner, last = words
         state = [i for v in values[:-1] for i in inner[v + 1]] + last[values[-1] + 1]
@@ -160,8 +161,8 @@ class PromptTokenizer:
 
     def state_words(self) -> tuple[list, list] | bool:
         """Each bin's ids as an inner and as the last state word (index: bin + 1), once checked to
-        compose exactly; False when they do not. The check tokenizes 66,049 state words once (0.15 s
-        on a 2-core host), which the Preprocessor of a Pi0.5 checkpoint pays at load."""
+        compose exactly; False when they do not. The check tokenizes 66,049 state words once (~0.15 s
+        on an idle 2-core host), which the Preprocessor of a Pi0.5 checkpoint pays at load."""
         if self._words is None:
             inner = [self._encode(state_word(b, last=False)) for b in BIN_VALUES]
             last = [self._encode(state_word(b, last=True)) for b in BIN_VALUES]
