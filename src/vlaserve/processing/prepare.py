@@ -188,7 +188,8 @@ def _stacked_frames(slots: list[torch.Tensor]) -> torch.Tensor:
     """The camera slots [3, S, S] as one [N, 3, S, S] tensor. Cameras send channels-last (HWC)
     frames, which reach here as channels-first views: stacked as they lie (a plain copy per frame)
     and viewed channels-first, they are put in channels-first order on the device, by `to_device`;
-    a stack in channels-first order transposes on the host (3 frames of 224x224: 69 us against 10)."""
+    a stack in channels-first order transposes on the host (3 frames of 224x224 on an H200 server's
+    CPU: 329 us against 25 at p50)."""
     channels_last = [s.permute(1, 2, 0) for s in slots]
     if all(s.is_contiguous() for s in channels_last):
         return torch.stack(channels_last).permute(0, 3, 1, 2)
