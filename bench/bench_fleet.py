@@ -11,9 +11,10 @@ when it lies closer to another robot's reference). Levels: N robots back to back
 
 Reports per level: throughput, p50/p90/p99/max latency, the batch-size histogram and graph counters
 from /metrics (captures after ready must stay flat; through Ray's proxy a scrape reaches one replica,
-so with several replicas these cover one of them), errors and crossed answers; and, from the same
-run, the device time at batch 1 and the server's own share around it (the OpenPI socket's
-prev_total_ms, frame received -> reply sent, minus the device time). Writes bench_fleet[_LABEL].json
+so with several replicas these cover one of them), errors and crossed answers, and each server stage
+(policy_timing) p50 and p99; and, from the same run, the device time at batch 1 and the server's own
+share around it (the OpenPI socket's prev_total_ms, frame received -> reply sent, minus the device
+time), each stage p50 and p99. Writes bench_fleet[_LABEL].json
 and .png; --smoke serves the golden checkpoint on the CPU to 1 and 2 robots for a second each.
 """
 
@@ -69,6 +70,7 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
     n = len(observations)
     latencies: list[list[float]] = [[] for _ in range(n)]
     server_totals: list[float] = []
+    stages: dict[str, list[float]] = {}
     errors, wrong, crossed = [0], [0], [0]
     start_barrier = threading.Barrier(n)
     lock = threading.Lock()
@@ -105,6 +107,8 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
                     crossed[0] += 1
                 if "prev_total_ms" in out.get("server_timing", {}):
                     server_totals.append(out["server_timing"]["prev_total_ms"])
+                for k, v in out.get("policy_timing", {}).items():
+                    stages.setdefault(k, []).append(v)
 
     threads = [threading.Thread(target=robot, args=(i,)) for i in range(n)]
     began = time.perf_counter()
@@ -118,7 +122,15 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
     return {"robots": n, "hz": hz, "answers": len(flat), "obs_per_s": len(flat) / max(seconds, 1e-9),
             "wall_s": elapsed, "p50_ms": spread["p50_ms"], "p90_ms": spread["p90_ms"],
             "p99_ms": spread["p99_ms"], "max_ms": spread["max_ms"], "errors": errors[0], "wrong": wrong[0],
-            "crossed": crossed[0], "server_total_p50_ms": statistics.median(server_totals) if server_totals else None}
+            "crossed": crossed[0], "server_total_p50_ms": statistics.median(server_totals) if server_totals else None,
+            "server_total_p99_ms": p99(server_totals) if server_totals else None,
+            # Each stage of the server (policy_timing: host stages and device), p50 and p99.
+            "stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
+            "stages_p99_ms": {k: p99(v) for k, v in stages.items()}}
+
+
+def p99(values: list[float]) -> float:
+    return percentiles(values)["p99_ms"]
 
 
 def main() -> None:
@@ -183,7 +195,9 @@ def main() -> None:
             # infer_ms: handler's submit -> result (prepare on a worker thread, queue, batch); the rest of
             # the total is decoding the frame, building the request, encoding and sending the reply.
             "breakdown_p50_ms": {**med, "infer": statistics.median(infer),
-                                 "decode_and_encode": total - statistics.median(infer)}}
+                                 "decode_and_encode": total - statistics.median(infer)},
+            "breakdown_p99_ms": {**{k: p99(v) for k, v in stages.items()}, "infer": p99(infer),
+                                 "server_total": p99(totals)}}
         spread = min(float(np.abs(a - b).max()) for i, a in enumerate(references) for b in references[i + 1:])
         results["min_distance_between_robots"] = spread
         log("batch 1:", results["batch1"], "robots differ by >=", round(spread, 3))

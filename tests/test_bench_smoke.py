@@ -94,6 +94,8 @@ def check_bench_fleet(out: Path) -> None:
     assert [(lv["robots"], lv["hz"]) for lv in r["levels"]] == [(1, 0.0), (2, 0.0), (2, 2.0)]
     for lv in r["levels"]:  # every answer was its own robot's reference answer
         assert lv["answers"] > 0 and lv["errors"] == lv["wrong"] == lv["crossed"] == 0
+        assert {"prepare_ms", "queue_ms", "run_ms", "handback_ms"} <= set(lv["stages_p99_ms"])
+    assert {"prepare_ms", "handback_ms", "device_ms", "server_total"} <= set(r["batch1"]["breakdown_p99_ms"])
     assert r["min_distance_between_robots"] > 0.25  # robots' answers are told apart (WRONG_ANSWER)
 
 
@@ -108,8 +110,13 @@ def check_bench_rtc(out: Path) -> None:
 def check_bench_prepare(out: Path) -> None:
     r = result(out, "bench_prepare", png=False)
     for label in ("back_to_back", "after_idle"):
-        assert r[label]["prepare_p50_ms"] > 0 and {"tokenizer", "prepare_image (x3)"} <= set(r[label]["steps_p50_ms"])
-    assert r["thread_pool_after_idle"]["prepare_in_thread_pool_p50_ms"] > 0
+        stages, steps = r[label]["stages"], r[label]["prepare_steps"]
+        assert set(stages) == {"decode", "request", "prepare", "encode", "metrics", "total"}
+        assert {"tokenizer", "prepare_image (x3)", "stack_frames"} <= set(steps)
+        for stage in (*stages.values(), *steps.values()):
+            assert 0 < stage["p50_ms"] <= stage["p99_ms"]
+    assert {"event_loop_to_worker", "worker_to_event_loop", "queue_to_waiting_thread", "thread_to_event_loop",
+            "prepare_to_launch_via_event_loop", "prepare_to_launch_from_worker"} == set(r["hops_after_idle"])
 
 
 def check_bench_overlap(out: Path) -> None:

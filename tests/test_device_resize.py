@@ -107,3 +107,48 @@ def test_uint8_frames_of_any_memory_layout_prepare_alike(view):
     got = prepare_image(image, 224, "images.cam", keep_bytes=True)
     assert torch.equal(got, expected)
     assert torch.equal(prepare_image(image, 224, "images.cam"), expected.float() / 255.0 * 2.0 - 1.0)
+
+
+@pytest.mark.parametrize("layout", ["hwc", "chw", "flipped", "absent_camera", "other_size"])
+def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_device(golden_policy, layout):
+    """A request's uint8 frames are stacked as they lie (no float conversion, no resize, no transposition
+    on the host) and `to_device` (here the CPU) gives exactly the contiguous float images the host
+    computed before: bytes_to_model_range of the frames stacked channels-first, blank slots at -1."""
+    from vlaserve.processing.images import bytes_to_model_range
+    from vlaserve.processing.prepare import to_device
+
+    rng = np.random.default_rng(7)
+    frames = {cam: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for cam in
+              ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")}
+    if layout == "chw":
+        frames["left_wrist_0_rgb"] = np.ascontiguousarray(frames["left_wrist_0_rgb"].transpose(2, 0, 1))
+    if layout == "flipped":
+        frames["base_0_rgb"] = frames["base_0_rgb"][::-1]
+    if layout == "absent_camera":
+        del frames["right_wrist_0_rgb"]
+    if layout == "other_size":
+        frames["base_0_rgb"] = rng.integers(0, 256, (180, 320, 3), dtype=np.uint8)
+    pre = golden_policy.preprocessor
+    state = np.zeros(golden_policy.config.state_dim, dtype=np.float32)
+    requests = [golden_policy.request({"images": frames, "state": state, "task": "t"}, seed=i) for i in range(2)]
+    deferred = pre.defer_resize
+    pre.defer_resize = layout == "other_size"
+    try:
+        for batch in (requests[:1], requests):
+            inputs, _, _ = pre.collate(batch)
+            assert inputs.images.dtype == torch.uint8  # nothing converted on the host
+            if layout in ("hwc", "absent_camera", "other_size"):  # nor transposed: channels-last, as sent
+                assert inputs.images.permute(0, 1, 3, 4, 2).is_contiguous()
+            chw = [torch.from_numpy(np.ascontiguousarray(np.asarray(f).transpose(2, 0, 1) if f.shape[-1] == 3 else f))
+                   for f in frames.values()]
+            if layout == "other_size":  # resized where the batch runs, by the same operations as on the host
+                chw[0] = prepare_image(frames["base_0_rgb"], 224, "f", keep_bytes=False)
+                expected = torch.stack([chw[0]] + [bytes_to_model_range(c) for c in chw[1:]])
+            else:
+                chw += [torch.zeros(3, 224, 224, dtype=torch.uint8)] * (3 - len(chw))
+                expected = bytes_to_model_range(torch.stack(chw))
+            device_images = to_device(inputs, torch.device("cpu")).images
+            assert device_images.is_contiguous()
+            assert torch.equal(device_images, expected.expand(len(batch), *expected.shape))
+    finally:
+        pre.defer_resize = deferred

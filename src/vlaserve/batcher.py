@@ -178,10 +178,13 @@ class Batcher:
         """Runs one request; the result's `timings` gains `queue_ms`."""
         return await self.submit_many([request])[0]
 
-    def submit_many(self, requests: list[Request]) -> list[asyncio.Future]:
+    def submit_many(self, requests: list[Request],
+                    loop: asyncio.AbstractEventLoop | None = None) -> list[asyncio.Future]:
         """Queues requests as one group (they reach the launch thread together, so a group of B
-        fills batches up to the limit instead of racing it); one future per request, each failing alone."""
-        loop = asyncio.get_running_loop()
+        fills batches up to the limit instead of racing it); one future per request, each failing alone.
+        `loop`: the event loop that awaits the futures, when called from another thread (the server's
+        worker that prepared a request queues it: one thread hop less than going back through the loop)."""
+        loop = loop or asyncio.get_running_loop()
         pending = [_Pending(r, loop, loop.create_future()) for r in requests]
         for p in pending:
             self.clients.arrived(p.request.client, p.enqueued_at)

@@ -202,15 +202,13 @@ class Service:
         with `per_item_errors`, an item that fails gets its ApiError in its place, else the first
         failure is raised."""
         started = time.perf_counter()
-        prepared = await self.prepare(requests, in_request_body)
+        try:
+            prepared, futures, prepared_at = await self._prepare_and_queue(requests, in_request_body)
+        except BatcherClosed as e:
+            raise ApiError(503, "shutting_down", str(e)) from None
         ready = [r for r in prepared if isinstance(r, Request)]
-        prepared_at = time.perf_counter()
         outcomes = {}
         if ready:
-            try:
-                futures = self.batcher.submit_many(ready)
-            except BatcherClosed as e:
-                raise ApiError(503, "shutting_down", str(e)) from None
             with self.metrics.in_flight.track_inprogress():
                 done = await asyncio.gather(*futures, return_exceptions=True)
             outcomes = {id(r): outcome for r, outcome in zip(ready, done)}
@@ -227,6 +225,22 @@ class Service:
         if any(not isinstance(r, ApiError) for r in results):
             self.metrics.first_action()
         return results
+
+    async def _prepare_and_queue(self, requests: list, in_request_body: bool) -> tuple[list, list, float]:
+        """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
+        ones' futures, when preparing ended). A lone request (a robot's frame) is queued by the worker
+        that prepared it, without a hop back through the event loop first (135 us at p50 on an H200
+        server's CPU, 90 on a 2-core one: bench_prepare's hops)."""
+        todo = [r for r in requests if isinstance(r, Request)]
+        if len(todo) != 1:
+            prepared = await self.prepare(requests, in_request_body)
+            prepared_at = time.perf_counter()
+            ready = [r for r in prepared if isinstance(r, Request)]
+            return prepared, self.batcher.submit_many(ready) if ready else [], prepared_at
+        error, futures, prepared_at = await self.workers.in_thread(
+            _prepare_and_queue_one, self.policy, self.batcher, todo[0], asyncio.get_running_loop())
+        prepared = [api_error(error, in_request_body) if r is todo[0] and error is not None else r for r in requests]
+        return prepared, futures, prepared_at
 
     @staticmethod
     def _outcome(outcome, in_request_body: bool):
@@ -321,6 +335,14 @@ class Service:
         request = next((r for r in generation.requests if isinstance(r, Request)), None)
         return (request.num_steps if request is not None and request.num_steps else
                 self.identity["num_inference_steps"])
+
+
+def _prepare_and_queue_one(policy, batcher: Batcher, request: Request,
+                           loop: asyncio.AbstractEventLoop) -> tuple[InvalidInput | None, list, float]:
+    """One worker job: prepares a request and, when it is valid, queues it on the batcher for `loop`."""
+    error = _prepare_each(policy, [request])[0]
+    prepared_at = time.perf_counter()
+    return error, [] if error is not None else batcher.submit_many([request], loop), prepared_at
 
 
 def _prepare_each(policy, requests: list[Request]) -> list[InvalidInput | None]:
