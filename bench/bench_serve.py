@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import statistics
 import tempfile
 import threading
@@ -149,12 +150,18 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(robots)]
         for t in threads:
             t.start()
+        shown = 0.0
         while True:
             block = graphs_block(port)
             if block["pending"] == 0:
                 break
-            if server.poll() is not None or time.perf_counter() - started > 600:
-                raise RuntimeError(f"graphs not all captured: {block}")
+            if block.get("error") or server.poll() is not None or time.perf_counter() - started > 300:
+                raise RuntimeError(f"graphs not all captured ({len(answers)} answers, {len(errors)} errors): "
+                                   f"{ {k: v for k, v in block.items() if k != 'per_graph'} }")
+            if time.perf_counter() - shown > 10:
+                shown = time.perf_counter()
+                log(f"{shown - started:.0f} s: {block['captured']} of {block['total']} graphs, {len(answers)} answers, "
+                    f"{len(errors)} errors")
             time.sleep(0.05)
         all_captured = time.perf_counter()
         out["process_to_every_graph_s"] = all_captured - started
@@ -168,6 +175,11 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
             t.join(timeout=30)
         out["request_path_captures"] = metric(port, "vlaserve_request_path_captures")
         out["uncaptured_calls"] = metric(port, "vlaserve_uncaptured_calls")
+    except Exception:
+        if server.poll() is None:  # the server's thread stacks into its log (vlaserve's SIGUSR1 handler)
+            server.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+        raise
     finally:
         stop.set()
         out["server_exit_code"], out["server_log_tail"] = stop_server(server, log_path)
@@ -194,8 +206,9 @@ def startup(args, checkpoint: Path, workdir: Path, device: str) -> dict:
     results = {}
     for label in ("empty_compile_cache", "warm_compile_cache"):
         log(f"--- start with {label.replace('_', ' ')} ---")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         results[label] = startup_run(checkpoint, cache, args.serve_args.split(), args.robots, args.seconds_after,
-                                     device, workdir / f"server-{label}.log")
+                                     device, Path(args.out) / f"bench_serve_startup_{label}.log")
     return results
 
 
