@@ -13,6 +13,7 @@ prepare and enqueue batch k+1 while the device still runs batch k (vlaserve/batc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -105,32 +106,36 @@ class EagerRunner:
 class Launched:
     """A batch whose device work is enqueued; its actions land in host memory when `done`.
 
-    Waiting on it never breaks a CUDA graph being captured meanwhile: captures run in
-    "thread_local" mode (fast/graphs.py), where another thread's event query or wait is allowed."""
+    `quiet` is held around every wait on the device: while a background warm-up may be capturing a
+    CUDA graph, another thread's event query or synchronize would break the capture."""
 
-    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes):
-        self._host, self._ready, self._stages = host, ready, stages
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, quiet):
+        self._host, self._ready, self._stages, self._quiet = host, ready, stages, quiet
 
     @staticmethod
-    def enqueue(actions: torch.Tensor, stages: StageTimes) -> "Launched":
+    def enqueue(actions: torch.Tensor, stages: StageTimes, quiet) -> "Launched":
         if actions.device.type != "cuda":
-            return Launched(actions.float().cpu(), None, stages)
+            return Launched(actions.float().cpu(), None, stages, quiet)
         # A fresh pinned block per batch: torch's caching host allocator hands it out again only
         # once the copy recorded on it has finished, so batches in flight never share one.
         host = torch.empty(actions.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(actions, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(host, ready, stages)
+        return Launched(host, ready, stages, quiet)
 
     def done(self) -> bool:
-        return self._ready is None or self._ready.query()
+        if self._ready is None:
+            return True
+        with self._quiet():
+            return self._ready.query()
 
     def wait(self) -> tuple[np.ndarray, dict[str, float]]:
         """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.numpy(), self._stages.read()
+        with self._quiet():
+            if self._ready is not None:
+                self._ready.synchronize()
+            return self._host.numpy(), self._stages.read()
 
 
 class Runtime:
@@ -319,7 +324,7 @@ class Runtime:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
-            return Launched.enqueue(actions, stages)
+            return Launched.enqueue(actions, stages, self._quiet)
 
     def limit_host_threads(self) -> None:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's
@@ -330,6 +335,11 @@ class Runtime:
         if self.device.type == "cuda" and torch.get_num_threads() != 1:
             log.info("torch host ops on 1 thread (was %d): the model runs on the GPU", torch.get_num_threads())
             torch.set_num_threads(1)
+
+    def _quiet(self):
+        """What a wait on the device outside `device_lock` holds: the lock itself while a warm-up may
+        capture graphs; nothing after (nothing is captured then)."""
+        return self.device_lock if self.state in ("warming_up", "capturing") else contextlib.nullcontext()
 
     def stats(self) -> dict:
         runner = self.runner

@@ -36,18 +36,9 @@ class _Graph:
     caller holds the device lock)."""
 
     def __init__(self, fn, pool, stream: torch.cuda.Stream):
-        # Not `torch.cuda.graph(...)`: on entry it synchronizes the whole device and empties the
-        # device and pinned-host caches (freeing pinned blocks synchronizes too), a stall for the
-        # batches being served beside the capture. And "thread_local": another thread's event wait
-        # or allocation (the serving threads') does not invalidate this capture, as it would in the
-        # default "global" mode; the device lock still keeps their kernel launches out of it.
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                self.output = fn()
-            finally:
-                self.graph.capture_end()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = fn()
 
     def replay(self):
         self.graph.replay()
