@@ -93,10 +93,10 @@ def test_a_replica_loads_in_the_background_and_is_ready_before_its_last_capture(
         return FakePolicy(), "settings"
 
     monkeypatch.setattr(replica, "build_service", build_service)
-    options = serve_options({"checkpoint": str(golden / "checkpoint"), "device": "cpu", "warmup": "blocking"})
+    options = serve_options({"checkpoint": str(golden / "checkpoint"), "device": "cpu", "warmup": "background"})
     try:
         policy, settings = replica.load_until_serving(options)
-        assert built == {"warmup": "background", "progress": False} and settings == "settings"
+        assert built == {"progress": False} and settings == "settings"
         assert policy.runtime.state == "capturing" and policy.runtime.captured < GRAPHS
     finally:
         runtime.finish()

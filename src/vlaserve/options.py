@@ -41,14 +41,11 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "drain_timeout_s": (float, 30.0, "S", "on SIGTERM/SIGINT, how long in-flight requests may take to finish"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
 }
-# `vlaserve serve` restarts should answer at once: its warm-up runs in the background by default.
-SERVE_RUNTIME_DEFAULTS = {"warmup": "background"}
-
 
 def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
     out = {}
     for f in RuntimeConfig.options():
-        default = SERVE_RUNTIME_DEFAULTS.get(f.name, f.default)
+        default = f.default
         # Counts are integers on the command line; the rest are text (prompt buckets "48,96").
         kind = int if isinstance(default, int) else str
         out[f.name] = (kind, ",".join(map(str, default)) if isinstance(default, tuple) else default,

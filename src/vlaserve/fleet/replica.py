@@ -32,9 +32,9 @@ def shutdown_started() -> bool:
 
 def load_until_serving(options: dict):
     """-> (Policy, ServerSettings) once the policy serves. Ready means serving: the replica's constructor
-    returns (and Ray routes to it) once the batch-1 CUDA graphs are captured, whatever `warmup` the
-    config file asks `vlaserve serve` for; the rest are captured while it serves (/metrics counts them)."""
-    policy, settings = build_service(options, progress=False, warmup="background")
+    returns (and Ray routes to it) once every CUDA graph is captured (`warmup` blocking, the default),
+    or with `warmup: background` once the batch-1 graphs are (the rest captured while it serves)."""
+    policy, settings = build_service(options, progress=False)
     wait_until_serving(policy.runtime)
     return policy, settings
 
