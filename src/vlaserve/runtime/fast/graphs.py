@@ -202,46 +202,49 @@ class FastRunner:
 
     @torch.no_grad()
     def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
-        """Captures one graph of a plan -> seconds (warm-up, capture). Safe beside serving: the
-        warm-up (where this kernel signature has not run: the prefix once per batch size and
-        length, at the plan's first camera layout; the Euler steps once per batch size, length and
-        RTC) runs on scratch buffers, outside the device lock; the capture, on the static buffers,
-        holds it. A batch size's scratch buffers go when the plan moves to another size."""
+        """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this
+        kernel signature has not run: the prefix once per batch size and length, at the plan's
+        first camera layout; the Euler steps once per batch size, length and RTC) runs on scratch
+        buffers, so a graph served meanwhile never reads half-written inputs; the capture records
+        on the static buffers. Both hold the device lock: no other thread runs CUDA or Triton work
+        while a kernel compiles or a graph records (with the warm-up outside the lock, the first
+        H200 test of serving beside captures stalled: run 150). Served batches wait for it: seconds
+        where a kernel compiles, tens of ms with a warm compile cache. A batch size's scratch
+        buffers go when the plan moves to another size."""
         self.frozen = True
         self._sizes.add(key.batch)
         if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
             return 0.0, 0.0  # nothing to capture: no graphs, or the offload profile's prefix
         b, length = key.batch, key.length
-        if key.is_prefix:
-            # One camera layout differs from another in SigLIP's batch (b x slots images) only: the same
-            # Triton specializations; quack's CuTe kernels may compile per GEMM shape, so each warms up.
-            graphs, graph_key = self._prefix_graphs, (b, length, key.slots)
-            signature = ("prefix", b, length, key.slots if self.gemm_library == "quack" else None)
-            make = lambda buf, rtc: self._prefix_fn(buf, key.slots)  # noqa: E731
-        else:
-            self.fast.schedule(num_steps)  # allocated outside the capture
-            graphs, graph_key = self._denoise_graphs, (b, length, num_steps, key.rtc)
-            signature = ("denoise", b, length, key.rtc)
-            make = lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None)  # noqa: E731
-        if graph_key in graphs:
-            return 0.0, 0.0
-        started = time.perf_counter()
-        runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
-        if runs:
-            if self._scratch_batch != b:
-                self._scratch, self._scratch_batch = {}, b
-            with torch.cuda.stream(self._capture_stream):  # allocated where they are used
-                scratch = self._buffer_set(self._scratch, b, length)
-                scratch_rtc = self._rtc_buffers(b, length, num_steps, self._scratch)
-            self._warm_up(make(scratch, scratch_rtc), runs)
-            self._warmed.add(signature)
-        warmed = time.perf_counter()
         with self._device_lock:
-            locked = time.perf_counter()
+            started = time.perf_counter()
+            if key.is_prefix:
+                # One camera layout differs from another in SigLIP's batch (b x slots images) only: the same
+                # Triton specializations; quack's CuTe kernels may compile per GEMM shape, so each warms up.
+                graphs, graph_key = self._prefix_graphs, (b, length, key.slots)
+                signature = ("prefix", b, length, key.slots if self.gemm_library == "quack" else None)
+                make = lambda buf, rtc: self._prefix_fn(buf, key.slots)  # noqa: E731
+            else:
+                self.fast.schedule(num_steps)  # allocated outside the capture
+                graphs, graph_key = self._denoise_graphs, (b, length, num_steps, key.rtc)
+                signature = ("denoise", b, length, key.rtc)
+                make = lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None)  # noqa: E731
+            if graph_key in graphs:
+                return 0.0, 0.0
+            runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
+            if runs:
+                if self._scratch_batch != b:
+                    self._scratch, self._scratch_batch = {}, b
+                with torch.cuda.stream(self._capture_stream):  # allocated where they are used
+                    scratch = self._buffer_set(self._scratch, b, length)
+                    scratch_rtc = self._rtc_buffers(b, length, num_steps, self._scratch)
+                self._warm_up(make(scratch, scratch_rtc), runs)
+                self._warmed.add(signature)
+            warmed = time.perf_counter()
             buf, rtc = self.buffers(b, length), self._rtc_buffers(b, length, num_steps)
             graphs[graph_key] = self._new_graph(make(buf, rtc))
             self.captures += 1
-        return warmed - started, time.perf_counter() - locked
+            return warmed - started, time.perf_counter() - warmed
 
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""
