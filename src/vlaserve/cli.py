@@ -20,6 +20,7 @@ from .fleet.command import add_parser as add_serve_ray_parser  # stdlib only: Ra
 from .info import add_parser as add_info_parser
 from .options import (API_KEY_ENV, DEMO_HELP, SERVE_OPTIONS, UsageError, add_options, build_service, check_can_bind,
                       serve_options)
+from .precision_command import add_parsers as add_precision_parsers
 
 log = logging.getLogger("vlaserve")
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=serve_command)
     add_serve_ray_parser(commands)
     add_info_parser(commands)
+    add_precision_parsers(commands)
     return parser
 
 

@@ -30,7 +30,7 @@ import torch
 from .checkpoint.files import checkpoint_files
 from .config import PolicyConfig, RuntimeConfig
 from .errors import ConfigError
-from .model.fp8 import convert_to_fp8, fp8_targets
+from .model.fp8 import convert_to_fp8, fp8_targets, scales_for
 from .processing.layouts import KeyLayout
 from .processing.prepare import Preprocessor, to_device
 from .runtime.runner import EagerRunner
@@ -110,9 +110,9 @@ def gate_failures(report: dict, thresholds: GateThresholds = GateThresholds()) -
     figures = [("", report)] + [(f"group {name}: ", g) for name, g in report["groups"].items()]
     for prefix, fig in figures:
         if not fig["mean_cosine"] >= thresholds.min_mean_cosine:  # `not >=`: a NaN fails too
-            out.append(f"{prefix}mean cosine {fig['mean_cosine']:.6f} < {thresholds.min_mean_cosine}")
+            out.append(f"{prefix}mean cosine {fig['mean_cosine']:.7g} < {thresholds.min_mean_cosine}")
         if not fig["worst_cosine"] >= thresholds.min_worst_cosine:
-            out.append(f"{prefix}worst cosine {fig['worst_cosine']:.6f} < {thresholds.min_worst_cosine}")
+            out.append(f"{prefix}worst cosine {fig['worst_cosine']:.7g} < {thresholds.min_worst_cosine}")
     if report["gripper_sign_flips"] > thresholds.max_gripper_flips:
         out.append(f"gripper sign flips {report['gripper_sign_flips']} > {thresholds.max_gripper_flips} "
                    f"(dims {report['gripper_dims']})")
@@ -126,6 +126,14 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 23):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def save_observation(path: str | Path, observation: dict) -> None:
+    """Writes one observation as the .npz the gate and `vlaserve calibrate` read: its keys as given
+    (any layout the server takes), a nested {"images": {camera: frame}} as observation.images.<camera>."""
+    flat = {f"observation.images.{cam}": frame for cam, frame in observation.get("images", {}).items()}
+    flat.update({k: v for k, v in observation.items() if k != "images"})
+    np.savez(path, **{k: np.asarray(v) for k, v in flat.items()})
 
 
 def load_observations(directory: str | Path, limit: int | None = None) -> list[GateObservation]:
@@ -188,12 +196,15 @@ def weights_sha256(checkpoint_dir: Path) -> str:
 
 
 def calibrate(model, preprocessor: Preprocessor, layout: KeyLayout, config: PolicyConfig, device: torch.device,
-              observations: list[GateObservation], percentile: float = 99.99, expert: bool = False) -> dict[str, float]:
+              observations: list[GateObservation], percentile: float = 99.99,
+              expert: bool = False) -> dict[str, float | None]:
     """Per fp8 layer: the `percentile` of its input's amax over every call the observations make
-    (one per observation in the prefix; one per denoising step in the expert)."""
-    amaxes: dict[str, list[torch.Tensor]] = {name: [] for name in fp8_targets(model, expert)}
+    (one per observation in the prefix; one per denoising step in the expert); None for a layer
+    that never runs (the last prefix layer's attention output and MLP feed nothing)."""
+    targets = fp8_targets(model, expert)
+    amaxes: dict[str, list[torch.Tensor]] = {name: [] for name in targets}
     hooks = []
-    for name, (parent, attr) in fp8_targets(model, expert).items():
+    for name, (parent, attr) in targets.items():
         record = amaxes[name]
         hooks.append(getattr(parent, attr).register_forward_pre_hook(
             lambda _module, args, record=record: record.append(args[0].detach().abs().amax().float())))
@@ -202,19 +213,23 @@ def calibrate(model, preprocessor: Preprocessor, layout: KeyLayout, config: Poli
     finally:
         for hook in hooks:
             hook.remove()
-    return {name: float(np.percentile(torch.stack(values).cpu().numpy(), percentile)) for name, values in amaxes.items()}
+    return {name: float(np.percentile(torch.stack(values).cpu().numpy(), percentile)) if values else None
+            for name, values in amaxes.items()}
 
 
-def write_scales(path: str | Path, amax: dict[str, float], weights_hash: str, observations: list[GateObservation],
-                 percentile: float) -> dict:
+def write_scales(path: str | Path, amax: dict[str, float | None], weights_hash: str,
+                 observations: list[GateObservation], percentile: float) -> dict:
+    """The scales file: scale = amax / 448 per layer (null for a layer that never ran: it keeps
+    per-token scales), the weights' and the observations' sha256."""
     doc = {"format": SCALES_FORMAT, "weights_sha256": weights_hash, "percentile": percentile,
            "observations_sha256": sorted({o.sha256 for o in observations if o.sha256}),
-           "layers": {name: {"amax": a, "scale": max(a, 1e-12) / 448.0} for name, a in sorted(amax.items())}}
+           "layers": {name: {"amax": a, "scale": None if a is None else scales_for(torch.tensor(a)).item()}
+                      for name, a in sorted(amax.items())}}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
 
-def read_scales(path: str | Path, weights_hash: str) -> tuple[dict[str, float], set[str]]:
+def read_scales(path: str | Path, weights_hash: str) -> tuple[dict[str, float | None], set[str]]:
     """-> (static scale per layer, sha256 of the calibration observations). Refuses a file of another
     format, for other weights, or with a scale that is not a positive finite number."""
     try:
@@ -229,10 +244,12 @@ def read_scales(path: str | Path, weights_hash: str) -> tuple[dict[str, float], 
                           "run `vlaserve calibrate` on this checkpoint")
     scales = {}
     for name, entry in doc.get("layers", {}).items():
-        scale = entry.get("scale") if isinstance(entry, dict) else None
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ConfigError(f"precision_scales {path}: layer {name} has no positive finite scale")
-        scales[name] = float(scale)
+        if not isinstance(entry, dict) or "scale" not in entry:
+            raise ConfigError(f"precision_scales {path}: layer {name} has no scale")
+        scale = entry["scale"]
+        if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+            raise ConfigError(f"precision_scales {path}: layer {name}'s scale {scale!r} is not a positive number")
+        scales[name] = None if scale is None else float(scale)
     return scales, set(doc.get("observations_sha256", []))
 
 
@@ -275,7 +292,7 @@ def apply_precision(model, checkpoint_dir: Path, config: PolicyConfig, preproces
     failures = gate_failures(report, thresholds)
     report.update(passed=not failures, failures=failures)
     summary = (f"fp8 gate over {report['samples']} observations ({report['observations']}): mean cosine "
-               f"{report['mean_cosine']:.6f}, worst {report['worst_cosine']:.6f}, gripper sign flips "
+               f"{report['mean_cosine']:.7g}, worst {report['worst_cosine']:.7g}, gripper sign flips "
                f"{report['gripper_sign_flips']}")
     if not failures:
         log.info("%s: passed", summary)

@@ -128,9 +128,11 @@ def fp8_targets(model: nn.Module, expert: bool = False) -> dict[str, tuple[nn.Mo
     return targets
 
 
-def convert_to_fp8(model: nn.Module, expert: bool = False, input_scales: dict[str, float] | None = None) -> list[str]:
+def convert_to_fp8(model: nn.Module, expert: bool = False,
+                   input_scales: dict[str, float | None] | None = None) -> list[str]:
     """Replaces the fp8 targets' nn.Linear layers by Fp8Linear in place (the bf16 weights are freed);
-    `input_scales`: a static activation scale per layer name (calibrate), else per-token scales.
+    `input_scales`: a static activation scale per layer name (calibrate; None: that layer's tokens
+    scaled one by one), else per-token scales everywhere.
     Returns the names converted."""
     targets = fp8_targets(model, expert)
     if input_scales is not None:
