@@ -10,16 +10,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from fixtures import fixture_dir
 from torch import nn
 
 from vlaserve.cli import main
 from vlaserve.config import RuntimeConfig
 from vlaserve.errors import ConfigError
-from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, convert_to_fp8, dequantize, fp8_targets, linear_fp8,
-                                quantize, quantize_rows, quantize_weight, scales_for)
+from vlaserve.golden import GoldenCase, case_dirs
+from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, dequantize, fp8_targets, linear_fp8, quantize,
+                                quantize_rows, quantize_weight)
 from vlaserve.policy import Policy
 from vlaserve.precision import (GateThresholds, PrecisionGateError, apply_precision, compare_actions, cosines,
                                 gate_failures, read_scales, save_observation, synthetic_observations)
+from vlaserve.runtime.fast.model import FastPi05
+from vlaserve.runtime.fast.weights import Fp8Weight
 
 # e4m3: 3 mantissa bits, so rounding to nearest is off by at most half a step, 2^-4 of the value,
 # for normal numbers (|q| >= 2^-6); below that the steps are 2^-9 apart (subnormals), an absolute
@@ -317,3 +321,43 @@ def test_check_precision_exit_code(golden, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and set(report["groups"]) == {"left", "right"}
     assert main(["check-precision", str(golden / "checkpoint"), "--device", "cpu", "--gripper-dims", "99"]) == 2
+
+
+def test_fast_path_math_takes_the_fp8_gemms(golden):
+    """The fast path's math (stock kernels on the CPU: fused q/k/v and gate/up weights and scales)
+    on the fp8 model computes what the eager fp8 model does: the same quantization, other summation
+    orders. Where an activation lies on an e4m3 rounding boundary the two round it apart (one step,
+    2^-4 relative, on one element), so they differ by more than the fp32 path's 1e-5, but far less
+    than fp8's own error (measured on batch2: 6.7e-5 against 4.9e-3)."""
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False,
+                                    precision="fp8")
+    fast = FastPi05(policy.model, use_triton=False)
+    assert isinstance(fast.w.vlm[0].qkv, Fp8Weight) and isinstance(fast.w.vision_qkv[0][0], Fp8Weight)
+    case = GoldenCase.load(next(c for c in case_dirs(golden) if c.name == "batch2"))
+    inputs, _, _ = policy.preprocessor.collate([policy.request(o) for o in case.observations()])
+    b, n = inputs.image_masks.shape
+    plen = n * policy.model.vision.dims.num_patches + inputs.tokens.shape[1]
+    k = torch.zeros(len(policy.model.vlm.layers), b, -(-(plen + 50) // 64) * 64, policy.model.vlm.dims.head_dim)
+    v = torch.zeros_like(k)
+    noise = torch.from_numpy(case.tensors["input.noise"])
+    with torch.no_grad():
+        pad = fast.prefix(inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask, k, v,
+                          inputs.vision_slots())
+        fast_actions = fast.denoise(pad, noise, fast.schedule(10), k, v, None)
+        embs, pad_mask = policy.model.embed_prefix(inputs.images, inputs.image_masks, inputs.tokens,
+                                                   inputs.token_mask)
+        eager_actions = policy.model.denoise(policy.model.compute_prefix(embs, pad_mask), noise, 10, None)
+    fp8_error = (eager_actions - torch.from_numpy(case.tensors["expected.actions_model"])).abs().max()
+    assert fp8_error > 1e-4  # fp8 did run
+    assert (fast_actions - eager_actions).abs().max() < 0.1 * fp8_error
+
+
+def test_fp8_with_the_expert_on_pi0():
+    policy = Policy.from_pretrained(fixture_dir("pi0_golden") / "checkpoint", device="cpu", dtype="float32",
+                                    progress=False, precision="fp8+expert")
+    report = policy.metadata["precision"]
+    assert report["passed"] and any(name.startswith("expert.") for name in fp8_targets(policy.model, expert=True))
+    assert all(isinstance(m, Fp8Linear) for m in (policy.model.expert.layers[0].mlp.down_proj,
+                                                   policy.model.vlm.layers[0].self_attn.q_proj))
+    with pytest.raises(ConfigError, match="eager model"):
+        FastPi05(policy.model, use_triton=False)

@@ -274,6 +274,9 @@ def apply_precision(model, checkpoint_dir: Path, config: PolicyConfig, preproces
     settings.precision_gate is "enforce"."""
     if settings.precision == "bf16":
         return {"precision": "bf16"}
+    if settings.precision == "fp8+expert" and settings.runs_fast_path(device.type):
+        raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
+                          "expert kernels take bfloat16 weights; precision 'fp8' runs on the fast path")
     scales, calibration_hashes = None, set()
     if settings.precision_scales:
         scales, calibration_hashes = read_scales(settings.precision_scales, weights_sha256(checkpoint_dir))
