@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 GATE_SAMPLES = 8  # held-out observations the startup gate runs (FlashRT's published gates use 8)
 SCALES_FORMAT = "vlaserve-fp8-scales/1"
-SYNTHETIC_TASK = "pick up the object and place it in the bin"
+SYNTHETIC_TASK = "pick up the cube"  # short: a checkpoint with a short prompt length still fits it
 
 
 class PrecisionGateError(ConfigError):
@@ -133,6 +133,7 @@ def save_observation(path: str | Path, observation: dict) -> None:
     (any layout the server takes), a nested {"images": {camera: frame}} as observation.images.<camera>."""
     flat = {f"observation.images.{cam}": frame for cam, frame in observation.get("images", {}).items()}
     flat.update({k: v for k, v in observation.items() if k != "images"})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **{k: np.asarray(v) for k, v in flat.items()})
 
 
