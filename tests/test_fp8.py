@@ -361,3 +361,15 @@ def test_fp8_with_the_expert_on_pi0():
                                                    policy.model.vlm.layers[0].self_attn.q_proj))
     with pytest.raises(ConfigError, match="eager model"):
         FastPi05(policy.model, use_triton=False)
+
+
+def test_bench_gpu_smoke_with_fp8(tmp_path):
+    """bench_gpu.py --precision fp8 on the CPU at the tiny sizes: its fp8 section runs and reports."""
+    from test_bench_smoke import BF16_BOUND, run
+
+    run("bench_gpu", tmp_path, "--precision", "fp8")
+    r = json.loads((tmp_path / "bench_gpu.json").read_text())["fp8"]
+    assert r["fp8_layers"] > 0 and r["weight_bytes"]["fp8"] < r["weight_bytes"]["bf16"]
+    row = r["per_batch"]["1"]
+    assert row["fp8"]["p50_ms"] > 0 and row["cosine_to_bf16"]["worst"] > 0.999
+    assert 0 < row["error_vs_fp32"]["fp8"]["max"] < BF16_BOUND
