@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures import fixture_dir
+from test_bench_smoke import BF16_BOUND, run
 from torch import nn
 
 from vlaserve.cli import main
@@ -365,8 +366,6 @@ def test_fp8_with_the_expert_on_pi0():
 
 def test_bench_gpu_smoke_with_fp8(tmp_path):
     """bench_gpu.py --precision fp8 on the CPU at the tiny sizes: its fp8 section runs and reports."""
-    from test_bench_smoke import BF16_BOUND, run
-
     run("bench_gpu", tmp_path, "--precision", "fp8")
     r = json.loads((tmp_path / "bench_gpu.json").read_text())["fp8"]
     assert r["fp8_layers"] > 0 and r["weight_bytes"]["fp8"] < r["weight_bytes"]["bf16"]

@@ -10,6 +10,8 @@ fp32 (the emulation: the CPU's fp8 path and the reference the tests compare agai
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,7 +60,13 @@ def scaled_mm_supported(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
     if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16:
         return False
     n, k = weight.shape
-    return torch.cuda.get_device_capability(x2d.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
+    return _fp8_tensor_cores(x2d.device.index) and k % 16 == 0 and n % 16 == 0
+
+
+@lru_cache
+def _fp8_tensor_cores(device_index: int | None) -> bool:
+    """Asked once per device (the fast path calls linear_fp8 while it captures CUDA graphs)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -69,7 +77,8 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2d = x.reshape(-1, k)
     qx, sx = quantize_rows(x2d, input_scale)
     if scaled_mm_supported(x2d, weight):
-        out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
+        # Row-major activations (a strided input quantizes into its own layout), column-major weights.
+        out = torch._scaled_mm(qx.contiguous(), weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
                                bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
     else:
         out = F.linear(dequantize(qx, sx), dequantize(weight, weight_scale[:, None]),
