@@ -25,6 +25,7 @@ from vlaserve.precision import (GateThresholds, PrecisionGateError, apply_precis
                                 gate_failures, read_scales, save_observation, synthetic_observations)
 from vlaserve.runtime.fast.model import FastPi05
 from vlaserve.runtime.fast.weights import Fp8Weight
+from vlaserve.server.metrics import Metrics
 
 # e4m3: 3 mantissa bits, so rounding to nearest is off by at most half a step, 2^-4 of the value,
 # for normal numbers (|q| >= 2^-6); below that the steps are 2^-9 apart (subnormals), an absolute
@@ -372,3 +373,14 @@ def test_bench_gpu_smoke_with_fp8(tmp_path):
     row = r["per_batch"]["1"]
     assert row["fp8"]["p50_ms"] > 0 and row["cosine_to_bf16"]["worst"] > 0.999
     assert 0 < row["error_vs_fp32"]["fp8"]["max"] < BF16_BOUND
+
+
+def test_gate_figures_are_metrics():
+    metrics = Metrics(max_batch_size=1)
+    metrics.record_precision({"precision": "fp8", "mean_cosine": 0.9995, "worst_cosine": 0.998,
+                              "gripper_sign_flips": 0, "passed": True})
+    text = metrics.render().decode()
+    assert "vlaserve_fp8_gate_mean_cosine 0.9995" in text and "vlaserve_fp8_gate_passed 1.0" in text
+    bf16 = Metrics(max_batch_size=1)
+    bf16.record_precision({"precision": "bf16"})
+    assert "fp8_gate" not in bf16.render().decode()
