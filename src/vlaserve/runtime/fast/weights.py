@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...model.fp8 import Fp8Linear
+from ...model.fp8 import E4M3, Fp8Linear
 from ...model.pi05 import Pi05Model
 
 
@@ -36,7 +36,10 @@ def _fuse(*linears, attr: str = "weight", views_only: bool = False) -> torch.Ten
         return span
     if views_only:
         raise ValueError("fused weights must alias the offload slots, but the parts are not adjacent there")
-    fused = torch.cat([p.data for p in parts], dim=0)
+    if parts[0].dtype == E4M3:  # some CUDA builds have no fp8 cat kernel: concatenate the bytes
+        fused = torch.cat([p.data.view(torch.uint8) for p in parts], dim=0).view(E4M3)
+    else:
+        fused = torch.cat([p.data for p in parts], dim=0)
     offset = 0
     for p in parts:
         p.data = fused[offset:offset + p.shape[0]]
