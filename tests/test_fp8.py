@@ -323,6 +323,11 @@ def test_check_precision_exit_code(golden, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and set(report["groups"]) == {"left", "right"}
     assert main(["check-precision", str(golden / "checkpoint"), "--device", "cpu", "--gripper-dims", "99"]) == 2
+    # A threshold tighter than fp8 measures here (1 - cosine ~5e-7): the report says so and the exit code is 1.
+    assert main(["check-precision", str(golden / "checkpoint"), "--device", "cpu", "--k", "2",
+                 "--min-mean-cosine", "0.99999999"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["passed"] and report["failures"][0].startswith("mean cosine")
 
 
 def test_fast_path_math_takes_the_fp8_gemms(golden):

@@ -43,6 +43,10 @@ def add_parsers(commands) -> None:
     check.add_argument("--scales", metavar="FILE", help="static activation scales from `vlaserve calibrate`")
     check.add_argument("--gripper-dims", default="", metavar="I,J", help="action dimensions that are grippers")
     check.add_argument("--action-groups", default="", metavar="NAME=I-J;...", help="groups checked one by one")
+    check.add_argument("--min-mean-cosine", type=float, default=0.999, metavar="C",
+                       help="the gate's mean cosine threshold (default: 0.999)")
+    check.add_argument("--min-worst-cosine", type=float, default=0.995, metavar="C",
+                       help="the gate's worst-sample cosine threshold (default: 0.995)")
     check.set_defaults(run=check_precision_command)
 
     cal = commands.add_parser(
@@ -68,7 +72,7 @@ def _load(cli: dict):
 
 def check_precision_command(cli: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .precision import apply_precision
+    from .precision import GateThresholds, apply_precision
 
     try:
         if cli["k"] < 1:
@@ -78,7 +82,8 @@ def check_precision_command(cli: dict) -> int:
                            precision_scales=cli["scales"], precision_observations=cli["observations"],
                            gripper_dims=cli["gripper_dims"], action_groups=cli["action_groups"])
         report = apply_precision(policy.model, Path(policy.checkpoint), policy.config, policy.preprocessor,
-                                 policy.layout, policy.runtime.device, settings, k=cli["k"])
+                                 policy.layout, policy.runtime.device, settings, k=cli["k"],
+                                 thresholds=GateThresholds(cli["min_mean_cosine"], cli["min_worst_cosine"]))
     except (VlaserveError, UsageError, OSError) as e:
         log.error("%s", e)
         return 2
