@@ -717,7 +717,7 @@ def fp8_section(model, model32, policy_config, served, batches, bucket: int, flo
                 args, device: str) -> dict:
     """--precision fp8: a copy of the model with the prefix's and SigLIP's linear layers in fp8, served
     as bf16 is (the fast path on CUDA, the eager runner on a CPU), at the default prompt bucket."""
-    fp8_model = copy.deepcopy(model)
+    fp8_model, _ = bench_model(args.smoke, device)  # the same seeded weights (a deep copy would carry the bf16 fusion)
     converted = convert_to_fp8(fp8_model)
     if device == "cuda":
         from vlaserve.runtime.fast.graphs import FastRunner

@@ -18,8 +18,8 @@ from vlaserve.cli import main
 from vlaserve.config import RuntimeConfig
 from vlaserve.errors import ConfigError
 from vlaserve.golden import GoldenCase, case_dirs
-from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, dequantize, fp8_targets, linear_fp8, quantize,
-                                quantize_rows, quantize_weight)
+from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, convert_to_fp8, dequantize, fp8_targets, linear_fp8,
+                                quantize, quantize_rows, quantize_weight)
 from vlaserve.policy import Policy
 from vlaserve.precision import (GateThresholds, PrecisionGateError, apply_precision, compare_actions, cosines,
                                 gate_failures, read_scales, save_observation, synthetic_observations)
@@ -389,3 +389,12 @@ def test_gate_figures_are_metrics():
     bf16 = Metrics(max_batch_size=1)
     bf16.record_precision({"precision": "bf16"})
     assert "fp8_gate" not in bf16.render().decode()
+
+
+def test_a_fast_path_never_runs_weights_fused_before_conversion(golden):
+    """Fused weights are cached on the model: converting it afterwards must not leave a fast path on the bf16 copy."""
+    policy = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    FastPi05(policy.model, use_triton=False)
+    convert_to_fp8(policy.model)
+    with pytest.raises(ValueError, match="changed precision after their weights were fused"):
+        FastPi05(policy.model, use_triton=False)

@@ -86,6 +86,10 @@ class FusedWeights:
         """One fusion per model: a second engine on the same model shares it instead of copying."""
         if getattr(model, "_fused_weights", None) is None:
             model._fused_weights = FusedWeights(model, views_only)
+        fp8_now = isinstance(model.vlm.layers[0].self_attn.q_proj, Fp8Linear)
+        if isinstance(model._fused_weights.vlm[0].qkv, Fp8Weight) != fp8_now:
+            raise ValueError("the model's layers changed precision after their weights were fused: convert to fp8 "
+                             "before building a fast path (or a copy of a model that had one)")
         return model._fused_weights
 
     def __init__(self, model: Pi05Model, views_only: bool = False):
