@@ -713,6 +713,24 @@ def fp8_gemm_tflops(device: str, n: int = 8192) -> float:
     return 2 * n**3 / (t * 1e-3) / 1e12
 
 
+def fp8_quantizer_check(device: str) -> dict:
+    """The fast path's one-kernel activation quantization against torch's quantize_rows on a batch-8
+    prefix's GEMM inputs (7744 tokens; width 2048 and the MLP's 16384): the same bits, and both times."""
+    from vlaserve.model.fp8 import quantize_rows
+    from vlaserve.runtime.fast import fp8_kernels
+
+    out = {}
+    for k in (2048, 16384):
+        x = torch.randn(8 * (CAMERAS * 256 + TOKENS), k, device=device, dtype=torch.bfloat16)
+        x[0] = 0
+        q, s = fp8_kernels.quantize_rows(x)
+        q_ref, s_ref = quantize_rows(x)
+        out[k] = {"bits_equal": torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref),
+                  "triton_us": 1e3 * time_ms(lambda: fp8_kernels.quantize_rows(x), device, **TIMING)["p50_ms"],
+                  "torch_us": 1e3 * time_ms(lambda: quantize_rows(x), device, **TIMING)["p50_ms"]}
+    return out
+
+
 def fp8_section(model, model32, policy_config, served, batches, bucket: int, flops_bucket: dict, timings: dict,
                 args, device: str) -> dict:
     """--precision fp8: a copy of the model with the prefix's and SigLIP's linear layers in fp8, served
@@ -730,6 +748,7 @@ def fp8_section(model, model32, policy_config, served, batches, bucket: int, flo
            "weight_bytes": {name: sum(p.numel() * p.element_size() for p in m.parameters())
                             for name, m in (("bf16", model), ("fp8", fp8_model))},
            "fp8_gemm_tflops": fp8_gemm_tflops(device, n=256 if args.smoke else 8192),
+           "quantizer": fp8_quantizer_check(device) if device == "cuda" else None,
            "per_batch": {}}
     log("fp8:", {k: v for k, v in out.items() if k != "per_batch"})
     for b in batches:

@@ -5,6 +5,9 @@ tighter than what fp8 measures)."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -398,3 +401,34 @@ def test_a_fast_path_never_runs_weights_fused_before_conversion(golden):
     convert_to_fp8(policy.model)
     with pytest.raises(ValueError, match="changed precision after their weights were fused"):
         FastPi05(policy.model, use_triton=False)
+
+
+QUANTIZER_SCRIPT = r'''
+import json, torch
+from vlaserve.model.fp8 import E4M3_MAX, quantize_rows
+from vlaserve.runtime.fast import fp8_kernels
+torch.manual_seed(0)
+x = (torch.randn(6, 300) * torch.logspace(-3, 3, 6)[:, None]).half()
+x[3] = 0  # an all-zero row (scale 1)
+x[4, :8] = torch.tensor([-0.0, 1e-4, -1e-4, 200.0, 208.0, 216.0, 232.0, 448.0])  # -0, subnormals, ties
+out = {}
+for name, static in (("dynamic", None), ("static", torch.tensor(x.abs().max().item() / E4M3_MAX / 10))):
+    for dtype in (torch.float16, torch.float32):
+        q, s = fp8_kernels.quantize_rows(x.to(dtype), static)
+        q_ref, s_ref = quantize_rows(x.to(dtype), static)
+        out[f"{name}_{dtype}"] = {"bits_equal": torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)),
+                                  "scales_equal": torch.equal(s, s_ref)}
+print(json.dumps(out))
+'''
+
+
+def test_triton_quantizer_is_torchs_bit_for_bit_in_the_interpreter():
+    """The fast path's one-kernel quantization (runtime/fast/fp8_kernels.py) against quantize_rows in
+    Triton's interpreter: the same e4m3 bits and scales, -0, subnormals, ties to even and saturation
+    included (the kernel rounds in fp32 arithmetic, so its cast is exact on the GPU and here alike)."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", QUANTIZER_SCRIPT], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert len(out) == 4 and all(v["bits_equal"] and v["scales_equal"] for v in out.values()), out

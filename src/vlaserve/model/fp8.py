@@ -70,12 +70,13 @@ def _fp8_tensor_cores(device_index: int | None) -> bool:
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, quantizer=quantize_rows) -> torch.Tensor:
     """x [..., K] (any float dtype) @ dequant(weight [N, K] e4m3, weight_scale [N])^T + bias, with x
-    quantized per token (or by `input_scale`); returned in x's dtype."""
+    quantized per token (or by `input_scale`); returned in x's dtype. `quantizer`: quantize_rows or
+    a kernel computing the same (the fast path's, runtime/fast/fp8_kernels.py)."""
     n, k = weight.shape
     x2d = x.reshape(-1, k)
-    qx, sx = quantize_rows(x2d, input_scale)
+    qx, sx = quantizer(x2d, input_scale)
     if scaled_mm_supported(x2d, weight):
         # Row-major activations (a strided input quantizes into its own layout), column-major weights.
         out = torch._scaled_mm(qx.contiguous(), weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
