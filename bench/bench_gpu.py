@@ -16,8 +16,12 @@ each alone, and a prompt bucket served from graphs captured at warm-up; writes g
 --actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8 (with
 p50 times); --compare-actions FILE compares them bit for bit with a file saved on another tree:
 the gate of a refactor that must not change what is computed.
+--precision fp8 adds the same model with SigLIP's and the prefix's linear layers in fp8 (per-token
+activation scales), served by the fast path: time per call and per stage at the default bucket next
+to bf16's, the prefix's TFLOP/s against the fp8 GEMM ceiling measured in the same run, weight bytes,
+its max|Δ| vs fp32 next to bf16's over several inputs per batch size, and its cosine to bf16's actions.
 
-    python bench/bench_gpu.py [--lerobot] [--batches 1,2,4,8] [--gemm-library quack] [--out DIR]
+    python bench/bench_gpu.py [--lerobot] [--batches 1,2,4,8] [--gemm-library quack] [--precision fp8] [--out DIR]
     python bench/bench_gpu.py --golden-only [--actions after.pt --compare-actions before.pt]
     python bench/bench_gpu.py --golden-only --launch-table sm89 --actions sm89.pt --compare-actions sm90.pt
 """
@@ -36,7 +40,9 @@ from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_ch
                     make_inputs, maxdiff, parser, per_item_max, pyplot, sample, save_json, save_png, time_ms)
 from vlaserve.checkpoint.weights import to_lerobot_name
 from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, RuntimeConfig
+from vlaserve.model.fp8 import E4M3, convert_to_fp8
 from vlaserve.model.pi05 import Pi05Model
+from vlaserve.precision import cosines
 from vlaserve.runtime.runner import EagerRunner
 from vlaserve.types import ModelInputs
 
@@ -518,6 +524,8 @@ def main():
                     help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
     ap.add_argument("--attention-library", default="triton", choices=ATTENTION_LIBRARIES,
                     help="the prefix's attention library (RuntimeConfig.attention_library)")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                    help="fp8: also the fast path with fp8 prefix and SigLIP GEMMs, beside bf16 (RuntimeConfig.precision)")
     ap.add_argument("--golden-only", action="store_true",
                     help="only the golden cases and exactness checks on the device (golden_gpu.json), seconds")
     ap.add_argument("--actions", metavar="FILE", help="save the served actions at batch 1, 2, 4, 8 (torch.save)")
@@ -639,6 +647,11 @@ def main():
         results["timings"], results["accuracy"] = timings, accuracy
         save()
 
+    if args.precision == "fp8":
+        results["fp8"] = fp8_section(model, model32, policy_config, served, batches, bucket, flops_bucket, timings,
+                                     args, device)
+        save()
+
     inputs, noise1 = make_inputs(1, vocab, device=device)
     t1 = timings[batches[0]][served_name]
     prefix_tflops = (flops["vision_flop"] + flops["prefix_flop"]) / (t1["prefix_p50_ms"] * 1e-3) / 1e12
@@ -687,6 +700,85 @@ def main():
     save()
     plot(results, args.out)
     print_table(results)
+
+
+def fp8_gemm_tflops(device: str, n: int = 8192) -> float:
+    """The fp8 GEMM ceiling, burst: torch._scaled_mm of two n x n e4m3 matrices with row-wise scales
+    and bf16 out, the product the fp8 path runs."""
+    a = torch.randn(n, n, device=device).to(E4M3)
+    b = torch.randn(n, n, device=device).to(E4M3)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    t = time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device,
+                warmup=3, iters=10)["p50_ms"]
+    return 2 * n**3 / (t * 1e-3) / 1e12
+
+
+def fp8_quantizer_check(device: str) -> dict:
+    """The fast path's one-kernel activation quantization against torch's quantize_rows on a batch-8
+    prefix's GEMM inputs (7744 tokens; width 2048 and the MLP's 16384): the same bits, and both times."""
+    from vlaserve.model.fp8 import quantize_rows
+    from vlaserve.runtime.fast import fp8_kernels
+
+    out = {}
+    for k in (2048, 16384):
+        x = torch.randn(8 * (CAMERAS * 256 + TOKENS), k, device=device, dtype=torch.bfloat16)
+        x[0] = 0
+        q, s = fp8_kernels.quantize_rows(x)
+        q_ref, s_ref = quantize_rows(x)
+        out[k] = {"bits_equal": torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref),
+                  "triton_us": 1e3 * time_ms(lambda: fp8_kernels.quantize_rows(x), device, **TIMING)["p50_ms"],
+                  "torch_us": 1e3 * time_ms(lambda: quantize_rows(x), device, **TIMING)["p50_ms"]}
+    return out
+
+
+def fp8_section(model, model32, policy_config, served, batches, bucket: int, flops_bucket: dict, timings: dict,
+                args, device: str) -> dict:
+    """--precision fp8: a copy of the model with the prefix's and SigLIP's linear layers in fp8, served
+    as bf16 is (the fast path on CUDA, the eager runner on a CPU), at the default prompt bucket."""
+    fp8_model, _ = bench_model(args.smoke, device)  # the same seeded weights (a deep copy would carry the bf16 fusion)
+    converted = convert_to_fp8(fp8_model)
+    if device == "cuda":
+        from vlaserve.runtime.fast.graphs import FastRunner
+
+        engine = FastRunner(fp8_model, policy_config, attention_library=args.attention_library)
+    else:
+        engine = EagerRunner(fp8_model, torch.device(device))
+    vocab = model.config.vlm.vocab_size
+    out = {"fp8_layers": len(converted),
+           "weight_bytes": {name: sum(p.numel() * p.element_size() for p in m.parameters())
+                            for name, m in (("bf16", model), ("fp8", fp8_model))},
+           "fp8_gemm_tflops": fp8_gemm_tflops(device, n=256 if args.smoke else 8192),
+           "quantizer": fp8_quantizer_check(device) if device == "cuda" else None,
+           "per_batch": {}}
+    log("fp8:", {k: v for k, v in out.items() if k != "per_batch"})
+    for b in batches:
+        inputs, noise = make_inputs(b, vocab, seed=b, device=device)
+        short = bucketed(inputs, bucket)
+        t = time_ms(lambda: served_call(engine, short, noise), device, **TIMING)
+        t.update(stage_medians(engine, short, noise))
+        prefix_flop = b * (flops_bucket["vision_flop"] + flops_bucket["prefix_flop"])
+        errors = {"fp8": [], "bf16": []}
+        cos = []
+        for seed in range(1, 3 if args.smoke else 9):  # one call's max is a noisy draw: several inputs
+            inputs, noise = make_inputs(b, vocab, seed=100 * b + seed, device=device)
+            short = bucketed(inputs, bucket)
+            ref = eager(model32, inputs, noise)
+            fp8_actions, _ = sample(engine, short, noise)
+            bf16_actions, _ = sample(served, short, noise)
+            errors["fp8"].append(per_item_max(fp8_actions, ref))
+            errors["bf16"].append(per_item_max(bf16_actions, ref))
+            cos.extend(cosines(bf16_actions.float().cpu().numpy(), fp8_actions.float().cpu().numpy()).tolist())
+        out["per_batch"][b] = {
+            "fp8": t, "bf16": timings[b]["fast_default_bucket"],
+            "speedup": timings[b]["fast_default_bucket"]["p50_ms"] / t["p50_ms"],
+            "prefix_tflops": prefix_flop / (t["prefix_p50_ms"] * 1e-3) / 1e12,
+            "error_vs_fp32": {k: {"mean": statistics.mean(v), "max": max(v), "calls": len(v)} for k, v in errors.items()},
+            "cosine_to_bf16": {"mean": statistics.mean(cos), "worst": min(cos), "samples": len(cos)}}
+        row = out["per_batch"][b]
+        log(f"fp8 b={b}: {t['p50_ms']:.2f} ms (bf16 {row['bf16']['p50_ms']:.2f}), prefix {t['prefix_p50_ms']:.2f} ms "
+            f"at {row['prefix_tflops']:.0f} TFLOP/s of {out['fp8_gemm_tflops']:.0f}; error vs fp32",
+            row["error_vs_fp32"], "cosine to bf16", row["cosine_to_bf16"])
+    return out
 
 
 def profiles(results, served, model, policy_config, inputs, noise, timings, flops, args) -> None:

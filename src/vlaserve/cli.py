@@ -21,6 +21,7 @@ from .fleet.command import add_parser as add_serve_ray_parser  # stdlib only: Ra
 from .info import add_parser as add_info_parser
 from .options import (API_KEY_ENV, DEMO_HELP, RUNTIME_OPTIONS, SERVE_OPTIONS, UsageError, add_options, build_service,
                       check_can_bind, serve_options)
+from .precision_command import add_parsers as add_precision_parsers
 
 log = logging.getLogger("vlaserve")
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--config", metavar="FILE", help="JSON file with serve's options (the runtime's are used)")
     add_options(warmup, {name: spec for name, spec in RUNTIME_OPTIONS.items() if name != "warmup"})
     warmup.set_defaults(run=warmup_command)
+    add_precision_parsers(commands)
     return parser
 
 

@@ -121,6 +121,8 @@ GRAPH_BATCHES = ("all", "ladder")
 CAPTURE_WARMUPS = ("per_kernel", "per_graph")
 GEMM_LIBRARIES = ("cublas", "quack")
 ATTENTION_LIBRARIES = ("triton", "fa4")
+PRECISIONS = ("bf16", "fp8", "fp8+expert")
+PRECISION_GATES = ("enforce", "warn")
 
 
 def graph_batch_sizes(mode: str, limit: int) -> tuple[int, ...]:
@@ -177,6 +179,19 @@ class RuntimeConfig:
                                                      "subdirectory per GPU and CUDA, torch, Triton and vlaserve "
                                                      "version (default: $TRITON_CACHE_DIR if set, else "
                                                      "$XDG_CACHE_HOME/vlaserve/compile or ~/.cache/vlaserve/compile)")
+    precision: str = _option("bf16", "MODE", "bf16 (the serving dtype: exact), fp8 (SigLIP's and the Gemma prefix's "
+                                             "linear layers in e4m3, gated at startup: docs/gpu.md) or fp8+expert "
+                                             "(the action expert's too)")
+    precision_gate: str = _option("enforce", "MODE", "fp8: enforce (refuse to start when the accuracy gate fails) "
+                                                     "or warn (log the failing figures and serve)")
+    precision_scales: str | None = _option(None, "FILE", "fp8: static activation scales from `vlaserve calibrate` "
+                                                         "(default: per-token scales, no calibration)")
+    precision_observations: str | None = _option(None, "DIR", "fp8: the gate's held-out observations, one .npz per "
+                                                              "observation (default: synthetic ones)")
+    gripper_dims: tuple[int, ...] | str = _option((), "I,J", "action dimensions that are grippers: the fp8 gate "
+                                                             "refuses any sign disagreement on them")
+    action_groups: tuple | str = _option((), "NAME=I-J;...", "action groups the fp8 gate checks one by one, "
+                                                             "as arm=0-5;gripper=6")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
     # CUDA graph capture: one warm-up run per kernel signature before the captures ("per_kernel"), or
@@ -195,6 +210,8 @@ class RuntimeConfig:
         if buckets != "auto":
             buckets = tuple(sorted({int(b) for b in buckets or ()}))
         object.__setattr__(self, "prompt_buckets", buckets)
+        object.__setattr__(self, "gripper_dims", _dims(self.gripper_dims, "gripper_dims"))
+        object.__setattr__(self, "action_groups", _groups(self.action_groups))
         checks = [
             (DEVICE_PATTERN.match(str(self.device)), f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}"),
             (self.dtype in DTYPE_NAMES, f"dtype must be one of {', '.join(DTYPE_NAMES)}, not {self.dtype!r}"),
@@ -211,6 +228,14 @@ class RuntimeConfig:
              f"gemm_library must be one of {', '.join(GEMM_LIBRARIES)}, not {self.gemm_library!r}"),
             (self.attention_library in ATTENTION_LIBRARIES,
              f"attention_library must be one of {', '.join(ATTENTION_LIBRARIES)}, not {self.attention_library!r}"),
+            (self.precision in PRECISIONS,
+             f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}"),
+            (self.precision_gate in PRECISION_GATES,
+             f"precision_gate must be one of {', '.join(PRECISION_GATES)}, not {self.precision_gate!r}"),
+            (self.precision == "bf16" or not PROFILES.get(self.memory_profile, PROFILES["default"]).offload,
+             "precision fp8 does not combine with the offload memory profile (fp8 weights already halve the memory)"),
+            (self.precision == "bf16" or self.gemm_library == "cublas",
+             "precision fp8 runs its GEMMs through torch._scaled_mm: gemm_library must be cublas"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
             (self.compile_cache is None or bool(str(self.compile_cache).strip()),
@@ -258,3 +283,30 @@ class RuntimeConfig:
     def options() -> list:
         """The fields that are command-line options (they carry a help text)."""
         return [f for f in fields(RuntimeConfig) if "help" in f.metadata]
+
+
+def _dims(value, name: str) -> tuple[int, ...]:
+    """Action indices as "6,13" or a sequence of ints; ranges as "0-5"."""
+    if not isinstance(value, str):
+        return tuple(int(v) for v in value)
+    dims = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        low, _, high = part.partition("-")
+        if not (low.isdigit() and (not high or high.isdigit())):
+            raise ConfigError(f"{name} must be action indices or ranges as 6,13 or 0-5, not {value!r}")
+        dims.extend(range(int(low), int(high or low) + 1))
+    return tuple(dims)
+
+
+def _groups(value) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Named action groups: "arm=0-5;gripper=6", a mapping {name: dims} or ((name, dims), ...)."""
+    if isinstance(value, str):
+        pairs = []
+        for part in (p.strip() for p in value.split(";") if p.strip()):
+            name, eq, dims = part.partition("=")
+            if not eq or not name.strip():
+                raise ConfigError(f"action_groups must look like arm=0-5;gripper=6, not {value!r}")
+            pairs.append((name.strip(), dims))
+    else:
+        pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    return tuple((name, _dims(dims, f"action_groups[{name}]")) for name, dims in pairs)

@@ -16,6 +16,7 @@ from .config import PolicyConfig, RuntimeConfig
 from .demo import DEMO_IDS, find_checkpoint
 from .errors import InvalidRequest
 from .family import family_of, load_policy_config
+from .precision import apply_precision
 from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
@@ -30,12 +31,14 @@ log = logging.getLogger(__name__)
 
 class Policy:
     def __init__(self, config: PolicyConfig, preprocessor: Preprocessor, runtime: Runtime, name: str,
-                 checkpoint: str, parameter_counts: dict[str, int], load_timings: dict | None = None):
+                 checkpoint: str, parameter_counts: dict[str, int], load_timings: dict | None = None,
+                 precision: dict | None = None):
         self.config, self.preprocessor, self.runtime = config, preprocessor, runtime
         self.name, self.checkpoint = name, checkpoint
         self.parameter_counts = parameter_counts
         self.layout = KeyLayout(config.cameras, rename_map=preprocessor.pipeline.rename_map)
         self.load_timings = load_timings or {}  # seconds per loading stage, weight bytes, GB/s
+        self.precision = precision or {"precision": "bf16"}  # the fp8 gate's report (vlaserve.precision)
 
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, runtime: RuntimeConfig | None = None, progress: bool = True,
@@ -75,7 +78,11 @@ class Policy:
                              loader=settings.weights_loader, layout=family.weights).eval()
         synchronize(load_device)
         mark("weights_s")
-        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory), progress=progress)
+        layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
+        precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+        mark("precision_s")
+        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
+                          progress=progress)
         mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading
@@ -86,7 +93,7 @@ class Policy:
         name = str(path_or_id) if hub else directory.name
         timings = {**stages, "total_s": time.perf_counter() - started, "weights_loader": settings.weights_loader,
                    "weight_bytes": weight_bytes, "weights_gb_per_s": rate}
-        return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings)
+        return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings, precision)
 
     @property
     def model(self):
@@ -108,7 +115,8 @@ class Policy:
             "memory_profile": r.settings.memory_profile, "max_batch_size": r.settings.batch_limit,
             "prompt_buckets": list(self.preprocessor.prompt_buckets) or None,
             "rename_map": self.preprocessor.pipeline.rename_map,
-            "relative_actions": self.preprocessor.pipeline.relative_actions is not None, **r.stats(),
+            "relative_actions": self.preprocessor.pipeline.relative_actions is not None, "precision": self.precision,
+            **r.stats(),
         }
 
     # ---- the Python API ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GemmaDims
+from .fp8 import activation_dtype
 
 # Additive mask value of the reference. Finite on purpose: a fully masked row (a padding
 # query) then softmaxes to a uniform distribution instead of NaN.
@@ -151,7 +152,7 @@ class GemmaPrefixLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].self_attn.q_proj.weight.dtype
+        return activation_dtype(self.layers[0].self_attn.q_proj)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         # The reference scales by float32(sqrt(width)); the product is computed in fp32.
@@ -187,7 +188,7 @@ class GemmaActionExpert(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].self_attn.q_proj.weight.dtype
+        return activation_dtype(self.layers[0].self_attn.q_proj)
 
     def forward(self, h, cond, prefix_kv, bias, positions, new_kv: list | None = None) -> torch.Tensor:
         """One pass over the action tokens.

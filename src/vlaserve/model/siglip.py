@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VisionDims
+from .fp8 import activation_dtype
 from .gemma import uninitialized_embedding
 
 
@@ -72,7 +73,7 @@ class SiglipVision(nn.Module):
         """pixels: [N, 3, H, W] in [-1, 1] -> [N, num_patches, width] in the layers' dtype."""
         w = self.patch_embedding.weight
         x = self.patch_embedding(pixels.to(w.dtype)).flatten(2).transpose(1, 2)
-        x = (x + self.position_embedding.weight).to(self.layers[0].self_attn.q_proj.weight.dtype)
+        x = (x + self.position_embedding.weight).to(activation_dtype(self.layers[0].self_attn.q_proj))
         for layer in self.layers:
             x = layer(x)
         return layer_norm(self.post_layernorm, x)

@@ -76,6 +76,16 @@ class Metrics:
             self._first_action_unset = False
             self.first_action_seconds.set(time.perf_counter() - STARTED)
 
+    def record_precision(self, report: dict) -> None:
+        """The fp8 gate's figures, set once at startup (nothing for the exact bf16 path)."""
+        if report.get("precision", "bf16") == "bf16":
+            return
+        for key, text in (("mean_cosine", "fp8 gate: mean per-sample cosine of fp8's actions to the serving dtype's"),
+                          ("worst_cosine", "fp8 gate: worst per-sample cosine"),
+                          ("gripper_sign_flips", "fp8 gate: sign disagreements on the gripper dimensions"),
+                          ("passed", "fp8 gate: 1 when every figure met its threshold")):
+            Gauge(f"vlaserve_fp8_gate_{key}", text, registry=self.registry).set(float(report[key]))
+
     def observe_stages(self, timings_ms: dict[str, float]) -> None:
         for stage in STAGES:
             if f"{stage}_ms" in timings_ms:

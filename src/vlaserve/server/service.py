@@ -83,6 +83,7 @@ class Service:
         self.batch_limit = policy.runtime.settings.batch_limit  # RuntimeConfig owns it: graphs and memory use it too
         self.metrics = Metrics(self.batch_limit)
         self.metrics.watch_runtime(policy.runtime.stats)
+        self.metrics.record_precision(m["precision"])
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
         self.sessions = Sessions()

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
+from ...model.fp8 import Fp8Linear, linear_fp8, quantize_rows
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance, rtc_guidance_weight
 from ...errors import ConfigError
-from . import cute, flash, kernels
-from .weights import FusedWeights
+from . import cute, flash, fp8_kernels, kernels
+from .weights import Fp8Weight, FusedWeights, weight_of
 
 
 class TimeSchedule:
@@ -77,6 +78,9 @@ class FastPi05:
             if not self._prefix_on_triton():
                 raise ConfigError("attention_library 'fa4' needs the Triton fast path (bfloat16, CUDA)")
             flash.require(model.action_in_proj.weight.device)
+        if any(isinstance(lin, Fp8Linear) for lin in model.expert.modules()):
+            raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
+                              "expert kernels take bfloat16 weights")
         if layer_stream is None:
             self.w = FusedWeights.of(model)
         else:
@@ -92,7 +96,15 @@ class FastPi05:
 
     def _linear(self, gemm: str, x2d, w, bias=None) -> torch.Tensor:
         """x2d @ w^T (+ bias) through quack where it is faster (gemm_library "quack"), else cuBLAS: the same bits."""
-        return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else F.linear(x2d, w, bias)
+        return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else self._gemm(x2d, w, bias)
+
+    def _gemm(self, x: torch.Tensor, w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w^T (+ bias): cuBLAS, or for an fp8 weight the fp8 GEMM (torch._scaled_mm where it runs),
+        its input quantized by one Triton kernel on the Triton path."""
+        if isinstance(w, Fp8Weight):
+            quantizer = fp8_kernels.quantize_rows if self.use_triton else quantize_rows
+            return linear_fp8(x, w.data, w.scale, bias, w.input_scale, quantizer=quantizer)
+        return F.linear(x, w, bias)
 
     def schedule(self, num_steps: int) -> TimeSchedule:
         if num_steps not in self._schedules:
@@ -117,7 +129,7 @@ class FastPi05:
             self._enter("vision", i)
             y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm1.weight.float(),
                              lyr.layer_norm1.bias.float(), d.layer_norm_eps)
-            attn = self._vision_attention(F.linear(y.to(self.dtype), qkv_w, qkv_b), n, p)
+            attn = self._vision_attention(self._gemm(y.to(self.dtype), qkv_w, qkv_b), n, p)
             x = x + lyr.self_attn.out_proj(attn)
             y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm2.weight.float(),
                              lyr.layer_norm2.bias.float(), d.layer_norm_eps)
@@ -153,12 +165,12 @@ class FastPi05:
             attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
             ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
-                                            delta=self._linear("vision_o", attn, out_proj.weight, out_proj.bias))
+                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias))
             if self._on_quack("vision_fc1", y):
                 act = cute.linear_gelu(y, fc1.weight, fc1.bias)
             else:
-                act = kernels.gelu(fc1(y))
-            mlp = lyr.mlp.fc2(act)
+                act = kernels.gelu(self._gemm(y, weight_of(fc1), fc1.bias))
+            mlp = self._gemm(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
@@ -206,16 +218,16 @@ class FastPi05:
         for i, lw in enumerate(self.w.vlm):
             self._enter("vlm", i)
             x = _rms(h, lw.norm1, dims.rms_norm_eps)
-            q, k, v = _split_qkv(F.linear(x, lw.qkv), dims)
+            q, k, v = _split_qkv(self._gemm(x, lw.qkv), dims)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[i, :, :plen].scatter_(1, rows, k[:, 0])
             v_cache[i, :, :plen].scatter_(1, rows, v[:, 0])
             if i == len(self.w.vlm) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
             attn = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), attn_mask=bias)
-            h = h + F.linear(attn.transpose(1, 2).reshape(b, plen, -1), lw.o)
+            h = h + self._gemm(attn.transpose(1, 2).reshape(b, plen, -1), lw.o)
             x = _rms(h, lw.norm2, dims.rms_norm_eps)
-            h = h + F.linear(_geglu(F.linear(x, lw.gate_up)), lw.down)
+            h = h + self._gemm(_geglu(self._gemm(x, lw.gate_up)), lw.down)
 
     def _prefix_triton(self, h, cache_pad, slots, cos, sin, k_cache, v_cache):
         # Padding queries attend to the valid keys here (the eager path spreads them uniformly over
@@ -253,8 +265,8 @@ class FastPi05:
             if self._on_quack("prefix_gate_up", y):
                 act = cute.geglu_linear(y, lw.gate_up)
             else:
-                act = kernels.geglu(F.linear(y, lw.gate_up))
-            down = F.linear(act, lw.down)
+                act = kernels.geglu(self._gemm(y, lw.gate_up))
+            down = self._gemm(act, lw.down)
             y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 
     # ---- denoising ------------------------------------------------------------------------
