@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import gc
 import logging
 import resource
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's stack to stderr (the log): what a stuck server is waiting on.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # (Only where stderr is a file: an embedding that captured it in memory has no descriptor to write to.)
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, file=sys.stderr.fileno())
     args = build_parser().parse_args(argv)
     return args.run(vars(args))
 
