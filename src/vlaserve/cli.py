@@ -166,7 +166,6 @@ def warmup_command(cli: dict) -> int:
     runtime = options["runtime"]
     from .runtime.compile_cache import activate
     from .runtime.device import resolve_device
-    from .server.metrics import graph_progress
 
     try:
         device = resolve_device(runtime.device)
@@ -180,7 +179,7 @@ def warmup_command(cli: dict) -> int:
     except (VlaserveError, ValueError, OSError, UsageError) as e:
         log.error("%s", e)
         return 2
-    graphs, t = graph_progress(policy.runtime.stats()), policy.load_timings
+    graphs, t = policy.runtime.stats()["graphs"], policy.load_timings
     print(f"compile cache {directory}: filled in {time.perf_counter() - started:.1f} s (weights {t['weights_s']:.1f} s, "
           f"kernels and {graphs['captured']} CUDA graphs {t['engine_s']:.1f} s)")
     return 0

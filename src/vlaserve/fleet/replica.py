@@ -10,7 +10,6 @@ import time
 from ray import serve
 
 from ..options import build_service
-from ..server.metrics import graph_progress
 from .labels import ReplicaLabels
 
 log = logging.getLogger("vlaserve.fleet")
@@ -62,7 +61,7 @@ class VlaserveReplica:
         self._drain_watch = None
         self.direct = None
         self._direct_websockets = direct_websockets
-        graphs = graph_progress(self.policy.runtime.stats())
+        graphs = self.policy.runtime.stats()["graphs"]
         log.info("replica %s serving: %s on %s (%d of %d CUDA graphs captured, the rest in the background)",
                  self.replica, self.policy.name, self.policy.metadata["device"], graphs["captured"], graphs["total"])
 

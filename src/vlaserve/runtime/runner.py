@@ -357,29 +357,38 @@ class _GraphProgress:
     """Where a capture plan stands, for stats()["graphs"]: seconds since the warm-up began."""
 
     plan: list[GraphKey]
-    done: list[str] = field(default_factory=list)
-    per_graph: list[dict] = field(default_factory=list)  # {"shape", "warmup_s", "capture_s"} in plan order
+    timed: list[tuple[str, float, float]] = field(default_factory=list)  # (shape, warm-up s, capture s), in order
     started: float = field(default_factory=time.perf_counter)
     serving_after_s: float | None = None
     all_captured_after_s: float | None = None
-    warmup_s: float = 0.0
-    capture_s: float = 0.0
     error: str | None = None
 
     def __post_init__(self):
         if not self.plan:  # nothing to capture (the eager model): serving, and all captured, at once
             self.serving_after_s = self.all_captured_after_s = 0.0
 
+    @property
+    def done(self) -> list[str]:
+        return [shape for shape, _, _ in self.timed]
+
+    @property
+    def warmup_s(self) -> float:
+        return sum(w for _, w, _ in self.timed)
+
+    @property
+    def capture_s(self) -> float:
+        return sum(c for _, _, c in self.timed)
+
     def captured(self, key: GraphKey, warmup_s: float, capture_s: float) -> None:
-        self.warmup_s += warmup_s
-        self.capture_s += capture_s
-        self.per_graph.append({"shape": str(key), "warmup_s": round(warmup_s, 4), "capture_s": round(capture_s, 4)})
-        self.done.append(str(key))
+        self.timed.append((str(key), warmup_s, capture_s))
 
     def stats(self) -> dict:
-        done = list(self.done)
-        pending = [str(key) for key in self.plan[len(done):]]
-        return {"captured": len(done), "total": len(self.plan), "pending": len(pending), "captured_shapes": done,
-                "pending_shapes": pending, "serving_after_s": self.serving_after_s,
-                "all_captured_after_s": self.all_captured_after_s, "warmup_s": self.warmup_s,
-                "capture_s": self.capture_s, "per_graph": list(self.per_graph), "error": self.error}
+        timed = list(self.timed)
+        done = [shape for shape, _, _ in timed]
+        return {"captured": len(done), "total": len(self.plan), "pending": len(self.plan) - len(done),
+                "captured_shapes": done, "pending_shapes": [str(key) for key in self.plan[len(done):]],
+                "serving_after_s": self.serving_after_s, "all_captured_after_s": self.all_captured_after_s,
+                "warmup_s": sum(w for _, w, _ in timed), "capture_s": sum(c for _, _, c in timed),
+                "per_graph": [{"shape": shape, "warmup_s": round(w, 4), "capture_s": round(c, 4)}
+                              for shape, w, c in timed],
+                "error": self.error}

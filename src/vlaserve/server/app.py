@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from .bodies import body_format, decode, read_body
 from .codec import dumps_json, packb, reply_msgpack
 from .guard import Guard
-from .metrics import SERVING_STATES, graph_progress
+from .metrics import SERVING_STATES
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
 from .service import ROUTES, ServerSettings, Service
@@ -79,7 +79,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
         stats = service.policy.runtime.stats()
         serving = stats["state"] in SERVING_STATES
-        graphs = graph_progress(stats)
+        graphs = stats["graphs"]
         # "failed": a capture failed (the log says why); batches may still run on the graphs captured
         # before it, but an orchestrator should restart this server.
         status = "ok" if serving else "failed" if stats["state"] == "failed" else "starting"

@@ -14,11 +14,6 @@ SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured)
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def graph_progress(stats: dict) -> dict:
-    """The runtime's CUDA graph progress (runtime.stats()["graphs"]): counts, shapes, times."""
-    return stats["graphs"]
-
-
 def _number(value: float | None) -> float:
     return float("nan") if value is None else value  # None: not yet
 
@@ -68,7 +63,7 @@ class Metrics:
                 ("all_graphs_captured_after_seconds", "all_captured_after_s",
                  "Warm-up seconds until every CUDA graph was captured; NaN until then")):
             gauge = Gauge(f"vlaserve_{name}", text, registry=self.registry)
-            gauge.set_function(lambda key=key: _number(graph_progress(stats())[key]))
+            gauge.set_function(lambda key=key: _number(stats()["graphs"][key]))
 
     def first_action(self) -> None:
         """Sets vlaserve_first_action_seconds, once: the first inference result returned."""

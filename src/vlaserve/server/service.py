@@ -19,7 +19,7 @@ from ..processing.images import MAX_IMAGE_SIDE
 from ..processing.layouts import KeyLayout, camera_aliases
 from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
 from .codec import MAX_NESTING_DEPTH
-from .metrics import Metrics, graph_progress
+from .metrics import Metrics
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
 from .workers import Workers
@@ -172,8 +172,6 @@ class Service:
                 "openpi": {"path": ROUTES["openpi"], "also_at": "/", "encoding": "msgpack-numpy"},
             },
             "camera_aliases": self.settings.camera_aliases,
-            # CUDA graphs captured and still to capture (the server serves from batch 1's on).
-            "graphs": graph_progress(m),
             # What vlaserve_client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
             "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
         }
