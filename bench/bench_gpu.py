@@ -38,6 +38,7 @@ import torch
 
 from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_checkpoint, lerobot_policy, log,
                     make_inputs, maxdiff, parser, per_item_max, pyplot, sample, save_json, save_png, time_ms)
+from vlaserve import Policy
 from vlaserve.checkpoint.weights import to_lerobot_name
 from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, RuntimeConfig
 from vlaserve.model.fp8 import E4M3, convert_to_fp8
@@ -234,18 +235,23 @@ def lerobot_sample(policy, inputs, noise):
 
 
 # ---- golden cases on the device ------------------------------------------------------------------
+def golden_policy(golden: Path, device: str, **options) -> Policy:
+    """The golden checkpoint in fp32, every CUDA graph captured before it returns: the checks compare
+    calls on their own graphs, never on smaller ones standing in while the rest are captured."""
+    return Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
+                                  warmup="blocking", **options)
+
+
 def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
     """The CPU golden tests, rerun on the device: fp32 eager (every recorded tensor), then the fp32
     fast path (the actions); the first `cases` cases, or all."""
-    from vlaserve import Policy
     from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     out = {}
-    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
-                                    fast_path=False)
-    fast_policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False)
+    policy = golden_policy(golden, device, fast_path=False)
+    fast_policy = golden_policy(golden, device)
     for case_dir in case_dirs(golden)[:cases]:
         case = GoldenCase.load(case_dir)
         exact, deltas = compare_case(policy, case)
@@ -263,11 +269,9 @@ def cache_hit_equals_miss(golden: Path, device: str) -> bool:
     after the restore), bitwise the first."""
     import numpy as np
 
-    from vlaserve import Policy
     from vlaserve.golden import GoldenCase, case_dirs
 
-    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
-                                    prefix_cache=4)
+    policy = golden_policy(golden, device, prefix_cache=4)
     case = GoldenCase.load(case_dirs(golden)[0])
     runs = [policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
                                num_steps=case.meta["num_steps"]) for _ in range(2)]
@@ -280,10 +284,9 @@ def overlapped_equals_serial(golden: Path, device: str) -> bool:
     buffers while the first still runs), then waited for: bitwise the answers of running each alone."""
     import numpy as np
 
-    from vlaserve import Policy
     from vlaserve.golden import GoldenCase, case_dirs
 
-    policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False)
+    policy = golden_policy(golden, device)
     batches = []
     for case_dir in case_dirs(golden)[:2]:
         case = GoldenCase.load(case_dir)
@@ -301,17 +304,14 @@ def prompt_buckets_captured(golden: Path, device: str) -> dict:
     (float32: the same function over other GEMM shapes)."""
     import numpy as np
 
-    from vlaserve import Policy
     from vlaserve.golden import GoldenCase, case_dirs
 
     case = GoldenCase.load(case_dirs(golden)[0])
     observations, noise = case.observations(), list(case.tensors["input.noise"])
-    plain = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
-                                   prompt_buckets="none")
+    plain = golden_policy(golden, device, prompt_buckets="none")
     longest = max(int(plain.prepare(o).token_mask.sum()) for o in observations)
     bucket = -(-(longest + 1) // 8) * 8
-    bucketed_policy = Policy.from_pretrained(golden / "checkpoint", device=device, dtype="float32", progress=False,
-                                             prompt_buckets=(bucket,))
+    bucketed_policy = golden_policy(golden, device, prompt_buckets=(bucket,))
     captured = bucketed_policy.metadata["graph_captures"]
     ours = bucketed_policy.infer_batch(observations, noise=noise, num_steps=case.meta["num_steps"])
     theirs = plain.infer_batch(observations, noise=noise, num_steps=case.meta["num_steps"])
@@ -360,7 +360,6 @@ def policy_wall_time(model, cfg, engine, device: str) -> dict:
     """Policy.infer at batch 1 with host preprocessing (uint8 images, prompt, tokenizer) included."""
     import numpy as np
 
-    from vlaserve import Policy
     from vlaserve.family import PI05
     from vlaserve.processing.normalize import Normalization, QuantileNormalizer
     from vlaserve.processing.pipeline import ProcessorPipeline

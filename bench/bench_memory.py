@@ -168,7 +168,8 @@ import numpy as np
 import torch
 from vlaserve import Policy
 imported = time.perf_counter()
-policy = Policy.from_pretrained(checkpoint, device=device, dtype="bfloat16", progress=False, weights_loader=loader)
+policy = Policy.from_pretrained(checkpoint, device=device, dtype="bfloat16", progress=False, weights_loader=loader,
+                                warmup="blocking")
 loaded = time.perf_counter()
 rng = np.random.default_rng(0)
 obs = {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in policy.config.cameras},

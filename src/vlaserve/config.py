@@ -153,10 +153,9 @@ class RuntimeConfig:
     max_batch_size: int = _option(8, "N", "most observations run in one batch (memory is checked for it)")
     memory_profile: str = _option("default", "PROFILE", "default, edge-16gb or offload: where the weights live, "
                                                         "what the engine keeps (docs/memory.md)")
-    warmup: str = _option("blocking", "MODE", "CUDA: blocking (ready once every CUDA graph is captured) or "
-                                              "background (ready once batch 1's are, the rest captured while "
-                                              "serving; experimental: its first GPU test under load stalled, "
-                                              "docs/gpu.md)")
+    warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's CUDA graphs are "
+                                                "captured, the rest captured while serving) or blocking (ready "
+                                                "once every one is)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
                                                            "runai-streamer (pip install 'vlaserve[runai]')")
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")

@@ -103,26 +103,34 @@ class EagerRunner:
                            ctx.pad_mask[i].clone())
 
 
+# While graphs are captured beside serving, a wait for a batch polls its event this often instead of
+# blocking on it with the device lock held: the lock stays free while the batch runs, so the next
+# capture goes on beside it (a poll costs microseconds; the batch runs 15-75 ms).
+CAPTURE_POLL_S = 0.0005
+
+
 class Launched:
     """A batch whose device work is enqueued; its actions land in host memory when `done`.
 
     `quiet` is held around every wait on the device: while a background warm-up may be capturing a
-    CUDA graph, another thread's event query or synchronize would break the capture."""
+    CUDA graph, another thread's event query or synchronize would break the capture. `capturing()`
+    says whether one may be: then a wait polls, taking `quiet` for each query only."""
 
-    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, quiet):
-        self._host, self._ready, self._stages, self._quiet = host, ready, stages, quiet
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, quiet,
+                 capturing=lambda: False):
+        self._host, self._ready, self._stages, self._quiet, self._capturing = host, ready, stages, quiet, capturing
 
     @staticmethod
-    def enqueue(actions: torch.Tensor, stages: StageTimes, quiet) -> "Launched":
+    def enqueue(actions: torch.Tensor, stages: StageTimes, quiet, capturing=lambda: False) -> "Launched":
         if actions.device.type != "cuda":
-            return Launched(actions.float().cpu(), None, stages, quiet)
+            return Launched(actions.float().cpu(), None, stages, quiet, capturing)
         # A fresh pinned block per batch: torch's caching host allocator hands it out again only
         # once the copy recorded on it has finished, so batches in flight never share one.
         host = torch.empty(actions.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(actions, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(host, ready, stages, quiet)
+        return Launched(host, ready, stages, quiet, capturing)
 
     def done(self) -> bool:
         if self._ready is None:
@@ -132,6 +140,8 @@ class Launched:
 
     def wait(self) -> tuple[np.ndarray, dict[str, float]]:
         """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
+        while self._capturing() and not self.done():
+            time.sleep(CAPTURE_POLL_S)
         with self._quiet():
             if self._ready is not None:
                 self._ready.synchronize()
@@ -164,6 +174,11 @@ class Runtime:
         # Device work holds this lock; a warm-up takes it while it captures a CUDA graph (a capture
         # fails if another thread touches the device meanwhile).
         self.device_lock = threading.RLock()
+        # Serving threads waiting for that lock while graphs are captured in the background: the
+        # capture thread lets them go first between graphs (a lock has no queue, and the thread that
+        # just released it usually takes it again: batches then waited out run after run of captures).
+        self._turns = threading.Condition()
+        self._serving_waiters = 0
         self.offload = None
         if runtime.profile.offload:
             from .offload import LayerOffload
@@ -254,6 +269,8 @@ class Runtime:
                 if not serve_at:
                     self._start_serving()
                 for key in graphs.plan:
+                    if self.serving.is_set():
+                        self._let_serving_go_first()
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
@@ -275,6 +292,31 @@ class Runtime:
         self.state = "ready"
         log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures)",
                  graphs.all_captured_after_s, graphs.warmup_s, graphs.capture_s)
+
+    # How long a capture waits for serving threads to take the device first: above any batch's
+    # launch and wait (a batch of 8 runs ~75 ms on an H200), so captures go only in the gaps between
+    # batches, and bounded so a fleet that never leaves a gap still gets every graph captured.
+    SERVING_FIRST_S = 0.5
+
+    def _let_serving_go_first(self) -> None:
+        with self._turns:
+            self._turns.wait_for(lambda: not self._serving_waiters, timeout=self.SERVING_FIRST_S)
+
+    @contextlib.contextmanager
+    def _device_turn(self):
+        """The device lock for a serving thread, ahead of the next capture (see _let_serving_go_first)."""
+        with self._turns:
+            self._serving_waiters += 1
+        try:
+            self.device_lock.acquire()
+        finally:
+            with self._turns:
+                self._serving_waiters -= 1
+                self._turns.notify_all()
+        try:
+            yield
+        finally:
+            self.device_lock.release()
 
     def _start_serving(self) -> None:
         graphs = self._graphs
@@ -311,7 +353,7 @@ class Runtime:
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         if not self.serving.is_set():
             self._wait_until_serving()  # outside the lock: the warm-up takes it to capture
-        with self.device_lock:
+        with self._device_turn():
             runner = self.runner
             # non_blocking: a plain copy would wait for the batch the device is still running.
             if rtc is not None:
@@ -324,7 +366,7 @@ class Runtime:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
-            return Launched.enqueue(actions, stages, self._quiet)
+            return Launched.enqueue(actions, stages, self._quiet, self._capturing)
 
     def limit_host_threads(self) -> None:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's
@@ -336,10 +378,13 @@ class Runtime:
             log.info("torch host ops on 1 thread (was %d): the model runs on the GPU", torch.get_num_threads())
             torch.set_num_threads(1)
 
+    def _capturing(self) -> bool:
+        return self.state in ("warming_up", "capturing")
+
     def _quiet(self):
-        """What a wait on the device outside `device_lock` holds: the lock itself while a warm-up may
-        capture graphs; nothing after (nothing is captured then)."""
-        return self.device_lock if self.state in ("warming_up", "capturing") else contextlib.nullcontext()
+        """What a wait on the device outside `device_lock` holds: the lock itself (ahead of the next
+        capture) while a warm-up may capture graphs; nothing after (nothing is captured then)."""
+        return self._device_turn() if self._capturing() else contextlib.nullcontext()
 
     def stats(self) -> dict:
         runner = self.runner
