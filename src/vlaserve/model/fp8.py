@@ -24,7 +24,10 @@ def scales_for(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scales mapping |values| <= amax onto [-448, 448]; an all-zero row gets scale 1 (any
     scale represents zeros exactly, and dividing by 0 would make NaNs)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # Divided by a tensor, not the Python number: CUDA torch multiplies by a scalar divisor's rounded
+    # reciprocal, 1 ulp off the quotient for some amax (H200, 2026-12-04), so a GPU's scales differed
+    # from a CPU's and from the fast path's Triton quantizer (correctly rounded division).
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,10 @@ if triton is not None:
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
         inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
         rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-        return tl.where(bits < 0, -rounded, rounded)
+        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
+        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
+        sign = (bits >> 31) << 31
+        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, STATIC: tl.constexpr, BLOCK: tl.constexpr):
