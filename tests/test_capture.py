@@ -8,7 +8,6 @@ graphs exist when, which captured sizes a batch runs as, the rows it gets back, 
 cache reads after a split call, and that the request path never captures.
 """
 
-import contextlib
 import itertools
 import threading
 import time
@@ -20,7 +19,7 @@ from vlaserve.config import RuntimeConfig, graph_batch_sizes
 from vlaserve.errors import ConfigError, NotServing
 from vlaserve.runtime.capture import GraphKey, capture_plan, route
 from vlaserve.runtime.fast.graphs import FastRunner
-from vlaserve.runtime.runner import HostTimed, Launched, Runtime
+from vlaserve.runtime.runner import Runtime
 from vlaserve.types import ModelInputs
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -269,82 +268,6 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     assert [g["shape"] for g in stats["graphs"]["per_graph"]] == [str(k) for k in plan]
     runtime.launch(inputs, noise, 10, None).wait()  # now batch 2's own graphs
     assert runner.split_calls == 1 and runner.request_path_captures == 0
-
-
-def test_a_served_batch_goes_before_the_next_capture(golden_policy):
-    """While graphs are captured beside serving, a serving thread waiting for the device takes it
-    before the capture thread starts another graph (a lock has no queue: the capture thread, which
-    just released it, could take it again graph after graph while 16 robots waited)."""
-    runtime, _, _ = _serve(golden_policy, background=False, sizes=(1,))
-    order = []
-
-    def serve():
-        with runtime._device_turn():
-            order.append("batch")
-
-    def capture():
-        runtime._let_serving_go_first()
-        order.append("capture")
-
-    with runtime.device_lock:  # a batch on the device
-        batch = threading.Thread(target=serve)
-        batch.start()
-        deadline = time.perf_counter() + 10
-        while runtime._serving_waiters != 1 and time.perf_counter() < deadline:
-            time.sleep(0.001)
-        capturer = threading.Thread(target=capture)
-        capturer.start()
-        capturer.join(0.2)
-        assert capturer.is_alive() and order == []  # the next capture waits behind the waiting batch
-    batch.join(10)
-    capturer.join(10)
-    assert order == ["batch", "capture"] and runtime._serving_waiters == 0
-
-    runtime.SERVING_FIRST_S = 0.05  # bounded: a fleet that never leaves a gap still gets its graphs
-    with runtime.device_lock:
-        waiter = threading.Thread(target=serve)
-        waiter.start()
-        while runtime._serving_waiters != 1:
-            time.sleep(0.001)
-        started = time.perf_counter()
-        runtime._let_serving_go_first()
-        assert 0.04 < time.perf_counter() - started < 5
-    waiter.join(10)
-
-
-def test_a_wait_polls_while_graphs_are_captured(golden_policy):
-    """A batch's wait keeps the device lock free while graphs may be captured (it polls, holding
-    the lock only for each query), and blocks on the batch once every graph is captured."""
-    queries = []
-
-    class Event:
-        def __init__(self):
-            self.left = 3
-
-        def query(self):
-            queries.append(held())
-            self.left -= 1
-            return self.left <= 0
-
-        def synchronize(self):
-            queries.append("synchronize")
-
-    class Quiet:  # the device lock, as the runtime hands it to waits: who holds it when
-        inside = False
-
-        def __enter__(self):
-            Quiet.inside = True
-
-        def __exit__(self, *exc):
-            Quiet.inside = False
-
-    held = lambda: Quiet.inside  # noqa: E731
-    launched = Launched(torch.zeros(1), Event(), HostTimed({}), Quiet, capturing=lambda: True)
-    launched.wait()
-    assert queries == [True, True, True, "synchronize"]  # each query under the lock, the lock free between
-    queries.clear()
-    Launched(torch.zeros(1), Event(), HostTimed({}), contextlib.nullcontext, capturing=lambda: False).wait()
-    assert queries == ["synchronize"]
 
 
 def test_blocking_returns_with_every_graph_captured(golden_policy):

@@ -178,6 +178,24 @@ def test_only_clients_due_back_are_waited_for():
     assert clients.due(2.0) == 0
 
 
+def test_a_client_in_the_running_batch_is_due_when_its_answer_and_think_time_fit_the_wait():
+    """Two robots back to back: robot a's request is on the device, robot b's batch is being formed
+    just before a's ends. a (think time 4 ms) is waited for when its answer is predicted within
+    COMPANY_WAIT_S - 4 ms, not when it is further off, nor when the end is not predictable."""
+    from vlaserve.batcher import COMPANY_WAIT_S, ReturningClients
+
+    assert COMPANY_WAIT_S == 0.005  # the numbers below are chosen around it
+    clients = ReturningClients()
+    clients.answered(["a"], 0.0)
+    clients.arrived("a", 0.004)
+    clients.running(["a"])
+    assert clients.due(1.0, running_ends=1.0005) == 1  # back at ~1.0045
+    assert clients.due(1.0, running_ends=1.01) == 0  # back at ~1.014: past the wait
+    assert clients.due(1.0) == 0  # no prediction: not waited for
+    clients.answered(["a"], 1.001)  # answered: counted once, as an answered client
+    assert clients.due(1.001, running_ends=1.002) == 1
+
+
 def test_overlapped_and_serial_batching_give_the_same_answers(golden_policy):
     """The same requests through the overlapped batcher and the one-batch-at-a-time one: identical
     actions (the batches are the same, gated; only when each is formed and answered differs)."""

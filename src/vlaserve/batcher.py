@@ -66,7 +66,10 @@ COMPANY_WAIT_S = 0.005
 
 class ReturningClients:
     """Each client's think time (reply sent -> next request), smoothed, and which clients are due back
-    within COMPANY_WAIT_S. Clients are connections (Request.client); None is not tracked."""
+    within COMPANY_WAIT_S: answered ones, and ones in the batch on the device whose answer is
+    predicted soon enough (two robots back to back: the next batch is formed just before the running
+    one ends, and waiting ~its think time for the other robot turns two batches of 1 into one of 2).
+    Clients are connections (Request.client); None is not tracked."""
 
     FORGET_S = 10.0  # a client silent this long has gone away
 
@@ -74,6 +77,11 @@ class ReturningClients:
         self._lock = threading.Lock()
         self._answered: dict = {}  # client -> when its last reply went out (not back since)
         self._think: dict = {}  # client -> smoothed think time, seconds
+        self._running: set = set()  # clients whose request is in a batch on the device
+
+    def running(self, clients) -> None:
+        with self._lock:
+            self._running.update(c for c in clients if c is not None)
 
     def arrived(self, client, now: float) -> None:
         if client is None:
@@ -90,16 +98,23 @@ class ReturningClients:
             for client in clients:
                 if client is not None:
                     self._answered[client] = now
+                    self._running.discard(client)
 
-    def due(self, now: float) -> int:
-        """Clients not back yet whose think time says they return within COMPANY_WAIT_S of now; one
-        already overdue by more than that is idle (or gone), not about to send."""
+    def due(self, now: float, running_ends: float | None = None) -> int:
+        """Clients not back yet whose think time says they return within COMPANY_WAIT_S of now (one
+        already overdue by more than that is idle, or gone, not about to send); with `running_ends`
+        (when the batch on the device is predicted to be answered), also its clients whose think
+        time brings them back by then + COMPANY_WAIT_S."""
         with self._lock:
             for client in [c for c, t in self._answered.items() if now - t > self.FORGET_S]:
                 del self._answered[client]
                 self._think.pop(client, None)
-            return sum(1 for c, t in self._answered.items()
-                       if c in self._think and abs(t + self._think[c] - now) <= COMPANY_WAIT_S)
+            due = sum(1 for c, t in self._answered.items()
+                      if c in self._think and abs(t + self._think[c] - now) <= COMPANY_WAIT_S)
+            if running_ends is not None:
+                due += sum(1 for c in self._running
+                           if c in self._think and running_ends + self._think[c] - now <= COMPANY_WAIT_S)
+            return due
 
 
 class DeviceClock:
@@ -135,6 +150,12 @@ class DeviceClock:
             if not self._in_flight:
                 self._end = 0.0
             self._cond.notify_all()
+
+    def predicted_end(self) -> float | None:
+        """When everything launched is predicted to be done (perf_counter seconds); None: nothing in
+        flight, or not predictable."""
+        with self._cond:
+            return self._end if self._in_flight else None
 
     def await_turn(self) -> None:
         """Returns once nothing is in flight, or the last launch is predicted to end within the
@@ -233,7 +254,7 @@ class Batcher:
                 now = time.perf_counter()
                 # Everything queued now; then wait only for the extra delay, or for clients due back.
                 wait = max(0.0, deadline - now)
-                if not wait and self.clients.due(now):
+                if not wait and self.clients.due(now, self.clock.predicted_end()):
                     wait = max(0.0, company_deadline - now)
                 try:
                     request = self._queue.get(timeout=wait)
@@ -265,6 +286,7 @@ class Batcher:
             self._failed(batch, error)
             return
         self.clock.launched(self._shape(batch), started, time.perf_counter(), asynchronous=not launched.done())
+        self.clients.running([p.request.client for p in batch])
         self._launched.put((batch, launched, started))
 
     def _complete(self) -> None:
@@ -300,6 +322,7 @@ class Batcher:
             return
         if not isinstance(error, InvalidInput):
             log.exception("inference failed", exc_info=error)
+        self.clients.answered([batch[0].request.client], time.perf_counter())  # an error is its reply
         _resolve(batch[0], error=error)
 
     def _run_alone(self, request: _Pending) -> None:

@@ -13,7 +13,6 @@ prepare and enqueue batch k+1 while the device still runs batch k (vlaserve/batc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from .device import synchronize
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
+from .turns import DeviceTurns
 
 log = logging.getLogger(__name__)
 
@@ -104,48 +104,54 @@ class EagerRunner:
 
 
 # While graphs are captured beside serving, a wait for a batch polls its event this often instead of
-# blocking on it with the device lock held: the lock stays free while the batch runs, so the next
-# capture goes on beside it (a poll costs microseconds; the batch runs 15-75 ms).
+# blocking on it with the device lock held: the lock stays free while the batch runs, so a capture
+# goes on beside it (a poll costs microseconds; the batch runs 15-75 ms).
 CAPTURE_POLL_S = 0.0005
 
 
 class Launched:
     """A batch whose device work is enqueued; its actions land in host memory when `done`.
 
-    `quiet` is held around every wait on the device: while a background warm-up may be capturing a
-    CUDA graph, another thread's event query or synchronize would break the capture. `capturing()`
-    says whether one may be: then a wait polls, taking `quiet` for each query only."""
+    Every wait on the device holds `turns.quiet()`: while a background warm-up may be capturing a
+    CUDA graph, another thread's event query or synchronize would break the capture. Then a wait
+    polls, holding the lock for each query only, and reads the results in the same hold."""
 
-    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, quiet,
-                 capturing=lambda: False):
-        self._host, self._ready, self._stages, self._quiet, self._capturing = host, ready, stages, quiet, capturing
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes,
+                 turns: DeviceTurns):
+        self._host, self._ready, self._stages, self._turns = host, ready, stages, turns
+        turns.launched()
 
     @staticmethod
-    def enqueue(actions: torch.Tensor, stages: StageTimes, quiet, capturing=lambda: False) -> "Launched":
+    def enqueue(actions: torch.Tensor, stages: StageTimes, turns: DeviceTurns) -> "Launched":
         if actions.device.type != "cuda":
-            return Launched(actions.float().cpu(), None, stages, quiet, capturing)
+            return Launched(actions.float().cpu(), None, stages, turns)
         # A fresh pinned block per batch: torch's caching host allocator hands it out again only
         # once the copy recorded on it has finished, so batches in flight never share one.
         host = torch.empty(actions.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(actions, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(host, ready, stages, quiet, capturing)
+        return Launched(host, ready, stages, turns)
 
     def done(self) -> bool:
         if self._ready is None:
             return True
-        with self._quiet():
+        with self._turns.quiet():
             return self._ready.query()
 
     def wait(self) -> tuple[np.ndarray, dict[str, float]]:
         """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
-        while self._capturing() and not self.done():
-            time.sleep(CAPTURE_POLL_S)
-        with self._quiet():
-            if self._ready is not None:
-                self._ready.synchronize()
-            return self._host.numpy(), self._stages.read()
+        try:
+            while True:
+                polling = self._turns.capturing()
+                with self._turns.quiet():
+                    if self._ready is None or not polling or self._ready.query():
+                        if self._ready is not None:
+                            self._ready.synchronize()  # (a no-op after a query that said done)
+                        return self._host.numpy(), self._stages.read()
+                time.sleep(CAPTURE_POLL_S)
+        finally:
+            self._turns.collected()
 
 
 class Runtime:
@@ -171,14 +177,10 @@ class Runtime:
                  dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
         self.progress = progress  # a progress bar on stderr while graphs are captured
-        # Device work holds this lock; a warm-up takes it while it captures a CUDA graph (a capture
-        # fails if another thread touches the device meanwhile).
-        self.device_lock = threading.RLock()
-        # Serving threads waiting for that lock while graphs are captured in the background: the
-        # capture thread lets them go first between graphs (a lock has no queue, and the thread that
-        # just released it usually takes it again: batches then waited out run after run of captures).
-        self._turns = threading.Condition()
-        self._serving_waiters = 0
+        # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
+        # capture fails if another thread touches the device meanwhile), when runtime/turns.py says.
+        self.turns = DeviceTurns(capturing=lambda: self.state in ("warming_up", "capturing"))
+        self.device_lock = self.turns.lock
         self.offload = None
         if runtime.profile.offload:
             from .offload import LayerOffload
@@ -270,7 +272,7 @@ class Runtime:
                     self._start_serving()
                 for key in graphs.plan:
                     if self.serving.is_set():
-                        self._let_serving_go_first()
+                        self.turns.before_capture()
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
@@ -292,31 +294,6 @@ class Runtime:
         self.state = "ready"
         log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures)",
                  graphs.all_captured_after_s, graphs.warmup_s, graphs.capture_s)
-
-    # How long a capture waits for serving threads to take the device first: above any batch's
-    # launch and wait (a batch of 8 runs ~75 ms on an H200), so captures go only in the gaps between
-    # batches, and bounded so a fleet that never leaves a gap still gets every graph captured.
-    SERVING_FIRST_S = 0.5
-
-    def _let_serving_go_first(self) -> None:
-        with self._turns:
-            self._turns.wait_for(lambda: not self._serving_waiters, timeout=self.SERVING_FIRST_S)
-
-    @contextlib.contextmanager
-    def _device_turn(self):
-        """The device lock for a serving thread, ahead of the next capture (see _let_serving_go_first)."""
-        with self._turns:
-            self._serving_waiters += 1
-        try:
-            self.device_lock.acquire()
-        finally:
-            with self._turns:
-                self._serving_waiters -= 1
-                self._turns.notify_all()
-        try:
-            yield
-        finally:
-            self.device_lock.release()
 
     def _start_serving(self) -> None:
         graphs = self._graphs
@@ -353,7 +330,7 @@ class Runtime:
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         if not self.serving.is_set():
             self._wait_until_serving()  # outside the lock: the warm-up takes it to capture
-        with self._device_turn():
+        with self.turns.serving():
             runner = self.runner
             # non_blocking: a plain copy would wait for the batch the device is still running.
             if rtc is not None:
@@ -366,7 +343,7 @@ class Runtime:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
-            return Launched.enqueue(actions, stages, self._quiet, self._capturing)
+            return Launched.enqueue(actions, stages, self.turns)
 
     def limit_host_threads(self) -> None:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's
@@ -377,14 +354,6 @@ class Runtime:
         if self.device.type == "cuda" and torch.get_num_threads() != 1:
             log.info("torch host ops on 1 thread (was %d): the model runs on the GPU", torch.get_num_threads())
             torch.set_num_threads(1)
-
-    def _capturing(self) -> bool:
-        return self.state in ("warming_up", "capturing")
-
-    def _quiet(self):
-        """What a wait on the device outside `device_lock` holds: the lock itself (ahead of the next
-        capture) while a warm-up may capture graphs; nothing after (nothing is captured then)."""
-        return self._device_turn() if self._capturing() else contextlib.nullcontext()
 
     def stats(self) -> dict:
         runner = self.runner
