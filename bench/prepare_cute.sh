@@ -17,7 +17,7 @@
 # cuda-bindings, einops and protobuf, which they also need, are in the device's image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.cute/' .git/info/exclude || echo '/.cute/' >> .git/info/exclude
+grep -qxs '/.cute/' .git/info/exclude || echo '/.cute/' >> .git/info/exclude
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

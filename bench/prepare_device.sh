@@ -8,7 +8,7 @@
 # runai-model-streamer (the optional parallel weight loader, measured against safetensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+grep -qxs '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \

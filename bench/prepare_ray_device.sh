@@ -11,7 +11,7 @@
 # removals and no process imported a removed module. grpcio-reflection matches the image's grpcio (1.84).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in .rayship .whl_serve; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+for d in .rayship .whl_serve; do grep -qxs "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 rm -rf .rayship .whl_serve && mkdir -p .rayship .whl_serve
 download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
