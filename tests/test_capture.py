@@ -225,7 +225,7 @@ def _serve(policy, background: bool = True, sizes=(1, 2), **runner_options):
     config = policy.config
     runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
                       torch.float32, "test")
-    runner = SlowCaptureRunner(policy, device_lock=runtime.device_lock, **runner_options)  # as Runtime builds it
+    runner = SlowCaptureRunner(policy, device_lock=runtime.turns.lock, **runner_options)  # as Runtime builds it
     plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
     runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background)
     return runtime, runner, plan

@@ -128,7 +128,7 @@ def test_a_wait_polls_while_graphs_are_captured_and_reads_in_the_same_hold():
 
 
 def test_a_host_batch_counts_as_launched_and_collected():
-    turns = DeviceTurns()
+    turns = DeviceTurns(capturing=lambda: True)  # (counted only while graphs may be captured)
     launched = Launched(torch.zeros(2), None, HostTimed({"prefix_ms": 1.0}), turns)
     assert turns._in_flight == 1
     actions, stages = launched.wait()

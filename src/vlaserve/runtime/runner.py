@@ -180,7 +180,6 @@ class Runtime:
         # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
         # capture fails if another thread touches the device meanwhile), when runtime/turns.py says.
         self.turns = DeviceTurns(capturing=lambda: self.state in ("warming_up", "capturing"))
-        self.device_lock = self.turns.lock
         self.offload = None
         if runtime.profile.offload:
             from .offload import LayerOffload
@@ -216,7 +215,7 @@ class Runtime:
         activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
         use_launch_table(target)
 
-        fast = FastRunner(model, self.config, device_lock=self.device_lock, layer_stream=self.offload,
+        fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
                           warmups=self.settings.capture_warmups)
         lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)

@@ -43,7 +43,12 @@ class DeviceTurns:
 
     @contextlib.contextmanager
     def serving(self):
-        """The device lock for a serving thread, ahead of the next capture."""
+        """The device lock for a serving thread, ahead of the next capture (once nothing is captured
+        any more, the plain lock: no bookkeeping on the hot path)."""
+        if not self.capturing():
+            with self.lock:
+                yield
+            return
         with self._cond:
             self._waiting += 1
         try:
@@ -62,12 +67,16 @@ class DeviceTurns:
         return self.serving() if self.capturing() else contextlib.nullcontext()
 
     def launched(self) -> None:
+        if not self.capturing():
+            return
         with self._cond:
             self._in_flight += 1
             self._launches += 1
             self._cond.notify_all()
 
     def collected(self) -> None:
+        if not self.capturing():
+            return
         with self._cond:
             self._in_flight = max(0, self._in_flight - 1)
             if not self._in_flight:
@@ -80,16 +89,16 @@ class DeviceTurns:
             deadline = time.perf_counter() + self.FIRST_S
             while True:
                 now = time.perf_counter()
+                idle_left = self.IDLE_S - (now - self._idle_since)  # meaningful with nothing in flight
                 if not self._waiting:
                     if self._in_flight and self._launches != self._launches_at_capture:
                         break  # beside a fresh batch
-                    idle_for = now - self._idle_since
-                    if not self._in_flight and idle_for >= self.IDLE_S:
+                    if not self._in_flight and idle_left <= 0:
                         break
                 if now >= deadline:
                     break
                 wake = deadline - now
                 if not self._waiting and not self._in_flight:
-                    wake = min(wake, self.IDLE_S - idle_for)
+                    wake = min(wake, idle_left)
                 self._cond.wait(wake)
             self._launches_at_capture = self._launches
