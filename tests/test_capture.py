@@ -270,6 +270,23 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     assert runner.split_calls == 1 and runner.request_path_captures == 0
 
 
+def test_a_dropped_runtime_is_freed_at_once(golden_policy):
+    """No reference cycle keeps a Runtime (and its graphs) alive once dropped: a cycle left it to the
+    garbage collector, which could free it during another Runtime's capture, and on the H200 that
+    capture then failed (the old graphs' memory returned with cudaFree: capture invalidated)."""
+    import gc
+    import weakref
+
+    runtime, runner, _ = _serve(golden_policy, background=False)
+    alive = weakref.ref(runtime)
+    gc.disable()
+    try:
+        del runtime
+        assert alive() is None  # freed by reference counting alone, not waiting for a collection
+    finally:
+        gc.enable()
+
+
 def test_blocking_returns_with_every_graph_captured(golden_policy):
     runtime, runner, plan = _serve(golden_policy, background=False)
     assert runtime.state == "ready" and runtime.serving.is_set() and runner.captures == len(plan)

@@ -17,8 +17,14 @@ def _until(condition, bound_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def _capturing_turns() -> DeviceTurns:
+    turns = DeviceTurns()
+    turns.capturing = True
+    return turns
+
+
 def _idle_turns(**bounds) -> DeviceTurns:
-    turns = DeviceTurns(capturing=lambda: True)
+    turns = _capturing_turns()
     for name, value in bounds.items():
         setattr(turns, name, value)
     turns._idle_since -= 1.0  # serving has been idle for a second
@@ -115,7 +121,7 @@ class _Stages:
 
 
 def test_a_wait_polls_while_graphs_are_captured_and_reads_in_the_same_hold():
-    turns = DeviceTurns(capturing=lambda: True)
+    turns = _capturing_turns()
     event = _Event(turns)
     launched = Launched(torch.zeros(1), event, _Stages(turns, event.calls), turns)
     assert turns._in_flight == 1
@@ -123,14 +129,14 @@ def test_a_wait_polls_while_graphs_are_captured_and_reads_in_the_same_hold():
     assert event.calls == [("query", True)] * 3 + [("synchronize", True), ("read", True)]
     assert turns._in_flight == 0
 
-    turns = DeviceTurns(capturing=lambda: False)  # nothing captured: block on the event, no lock
+    turns = DeviceTurns()  # nothing captured: block on the event, no lock
     event = _Event(turns)
     Launched(torch.zeros(1), event, _Stages(turns, event.calls), turns).wait()
     assert event.calls == [("synchronize", False), ("read", False)]
 
 
 def test_a_host_batch_counts_as_launched_and_collected():
-    turns = DeviceTurns(capturing=lambda: True)  # (counted only while graphs may be captured)
+    turns = _capturing_turns()  # (counted only while graphs may be captured)
     launched = Launched(torch.zeros(2), None, HostTimed({"prefix_ms": 1.0}), turns)
     assert turns._in_flight == 1
     actions, stages = launched.wait()

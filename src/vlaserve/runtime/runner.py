@@ -143,7 +143,7 @@ class Launched:
         """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
         try:
             while True:
-                polling = self._turns.capturing()
+                polling = self._turns.capturing
                 with self._turns.quiet():
                     if self._ready is None or not polling or self._ready.query():
                         if self._ready is not None:
@@ -179,7 +179,7 @@ class Runtime:
         self.progress = progress  # a progress bar on stderr while graphs are captured
         # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
         # capture fails if another thread touches the device meanwhile), when runtime/turns.py says.
-        self.turns = DeviceTurns(capturing=lambda: self.state in ("warming_up", "capturing"))
+        self.turns = DeviceTurns()
         self.offload = None
         if runtime.profile.offload:
             from .offload import LayerOffload
@@ -353,6 +353,18 @@ class Runtime:
         if self.device.type == "cuda" and torch.get_num_threads() != 1:
             log.info("torch host ops on 1 thread (was %d): the model runs on the GPU", torch.get_num_threads())
             torch.set_num_threads(1)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        # The turns read a flag, not this object: a callback into the Runtime made a reference cycle,
+        # so a dropped Runtime lived on until the garbage collector freed it, and that could happen
+        # during another Runtime's graph capture, whose cudaFree of the old graphs broke it (H200).
+        self._state = state
+        self.turns.capturing = state in ("warming_up", "capturing")
 
     def stats(self) -> dict:
         runner = self.runner

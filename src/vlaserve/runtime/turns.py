@@ -24,16 +24,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 
 
 class DeviceTurns:
     IDLE_S = 0.02  # above a robot's round trip from its answer to its next request (~5 ms)
     FIRST_S = 0.5  # above a batch of 8 (~75 ms on an H200) and its capture, so the rule holds under load
 
-    def __init__(self, capturing: Callable[[], bool] = lambda: False):
+    def __init__(self):
         self.lock = threading.RLock()  # the device lock
-        self.capturing = capturing  # whether graphs may be captured now (the runtime's state says)
+        self.capturing = False  # whether graphs may be captured now (the runtime sets it with its state)
         self._cond = threading.Condition()
         self._waiting = 0  # serving threads waiting for the lock
         self._in_flight = 0  # batches launched and not yet collected
@@ -45,7 +44,7 @@ class DeviceTurns:
     def serving(self):
         """The device lock for a serving thread, ahead of the next capture (once nothing is captured
         any more, the plain lock: no bookkeeping on the hot path)."""
-        if not self.capturing():
+        if not self.capturing:
             with self.lock:
                 yield
             return
@@ -64,10 +63,10 @@ class DeviceTurns:
 
     def quiet(self):
         """What a wait on the device holds: the lock while graphs may be captured, else nothing."""
-        return self.serving() if self.capturing() else contextlib.nullcontext()
+        return self.serving() if self.capturing else contextlib.nullcontext()
 
     def launched(self) -> None:
-        if not self.capturing():
+        if not self.capturing:
             return
         with self._cond:
             self._in_flight += 1
@@ -75,7 +74,7 @@ class DeviceTurns:
             self._cond.notify_all()
 
     def collected(self) -> None:
-        if not self.capturing():
+        if not self.capturing:
             return
         with self._cond:
             self._in_flight = max(0, self._in_flight - 1)
