@@ -17,6 +17,7 @@ import torch
 
 from vlaserve.config import RuntimeConfig, graph_batch_sizes
 from vlaserve.errors import ConfigError, NotServing
+from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.capture import GraphKey, capture_plan, route
 from vlaserve.runtime.fast.graphs import FastRunner
 from vlaserve.runtime.runner import Runtime
@@ -187,6 +188,22 @@ def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, 
     assert runner.request_path_captures == 0 and runner.uncaptured_calls == 0
 
 
+def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
+    """FastRunner.precompile's dry runs: one per warm-up signature not warmed up yet (the camera
+    layouts share the prefix's), none for what a warm-up already ran; the stock kernels here
+    are no Triton kernels, so nothing is recorded to compile."""
+    runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
+    steps = config.num_inference_steps
+    plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
+    batch1 = [k for k in plan if k.batch == 1]
+    assert runner.precompile(batch1, steps, threads=2) == 0
+    assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
+    for key in batch1:
+        runner.capture(key, steps)
+    assert runner.warm_up_runs == 6  # the warm-ups still run (now without compiling)
+    assert runner.precompile(batch1, steps, threads=2) == 0 and runner.warm_up_runs == 6
+
+
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
     runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
     steps = config.num_inference_steps
@@ -249,17 +266,17 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     request.start()
     request.join(0.2)
     assert request.is_alive() and not result  # waiting: nothing runs before batch 1's graphs exist
-    for _ in range(5):  # batch 1's five graphs
+    for _ in range(2):  # batch 1's first prefix (every camera) and its Euler steps: enough to serve
         gate.release()
     request.join()
     assert runtime.serving.is_set() and runtime.state == "capturing"
     assert result["out"][0].shape == (2, config.action_horizon, config.model.max_action_dim)
     assert runner.split_calls == 1 and runner.request_path_captures == 0 and runner.uncaptured_calls == 0
     graphs = runtime.stats()["graphs"]
-    assert graphs["captured"] == 5 and graphs["pending"] == 5 and graphs["serving_after_s"] > 0
-    assert graphs["captured_shapes"] == [str(k) for k in plan[:5]] and graphs["all_captured_after_s"] is None
+    assert graphs["captured"] == 2 and graphs["pending"] == 8 and graphs["serving_after_s"] > 0
+    assert graphs["captured_shapes"] == [str(k) for k in plan[:2]] and graphs["all_captured_after_s"] is None
 
-    for _ in range(5):
+    for _ in range(8):
         gate.release()
     _capture_thread().join()
     stats = runtime.stats()
@@ -268,6 +285,41 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     assert [g["shape"] for g in stats["graphs"]["per_graph"]] == [str(k) for k in plan]
     runtime.launch(inputs, noise, 10, None).wait()  # now batch 2's own graphs
     assert runner.split_calls == 1 and runner.request_path_captures == 0
+
+
+def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_policy):
+    """Serving starts with batch 1's first graphs; a call with RTC (or another camera layout) then
+    moves its graphs ahead of the plan's order and waits for them instead of running uncaptured."""
+    config, gate = golden_policy.config, threading.Semaphore(0)
+    runtime, runner, plan = _serve(golden_policy, gate=gate)
+    for _ in range(2):
+        gate.release()
+    runtime.serving.wait(5)
+    g = torch.Generator().manual_seed(3)
+    horizon, dim = config.action_horizon, config.model.max_action_dim
+    rtc = RTCGuidance(torch.randn(1, horizon, dim, generator=g), torch.rand(1, horizon, generator=g),
+                      torch.tensor([2.0]))
+    inputs, noise = _batch(config, 1, seed=3)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, rtc).wait()))
+    request.start()
+    rtc_key = GraphKey(1, config.max_token_len, rtc=True)
+    deadline = time.monotonic() + 5
+    while rtc_key not in runtime._graphs._wanted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert request.is_alive() and not result  # waiting for its graph
+    # Two captures: the one the capture thread may have begun already, and the RTC graph, though
+    # the plan lists two camera layouts before it.
+    gate.release()
+    gate.release()
+    request.join(5)
+    assert result["out"][0].shape == (1, horizon, dim)
+    assert str(rtc_key) in runtime.stats()["graphs"]["captured_shapes"][2:4]
+    assert plan.index(rtc_key) == 4 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
+    for _ in plan:
+        gate.release()
+    _capture_thread().join()
+    assert runtime.state == "ready"
 
 
 def test_a_dropped_runtime_is_freed_at_once(golden_policy):
@@ -293,14 +345,14 @@ def test_blocking_returns_with_every_graph_captured(golden_policy):
 
 
 def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
-    runtime, _, _ = _serve(golden_policy, fail_at="b1 L200 cams2")
+    runtime, _, _ = _serve(golden_policy, fail_at="b1 L200 denoise")
     _capture_thread().join()
     assert runtime.state == "failed" and "injected capture failure" in runtime.stats()["graphs"]["error"]
     inputs, noise = _batch(golden_policy.config, 1)
     with pytest.raises(NotServing, match="failed to warm up"):
         runtime.launch(inputs, noise, 10, None)
     with pytest.raises(RuntimeError, match="injected"):  # blocking: the error reaches the caller
-        _serve(golden_policy, background=False, fail_at="b1 L200 cams2")
+        _serve(golden_policy, background=False, fail_at="b1 L200 denoise")
 
 
 def test_a_failure_after_batch_1_keeps_serving_on_the_captured_graphs(golden_policy):
@@ -330,4 +382,4 @@ def test_the_eager_runtime_is_ready_at_once(golden_policy):
     assert golden_policy.runtime.serving.is_set()
     assert graphs == {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
                       "serving_after_s": 0.0, "all_captured_after_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0,
-                      "per_graph": [], "error": None}
+                      "kernels_compiled_ahead": 0, "compile_ahead_s": 0.0, "per_graph": [], "error": None}

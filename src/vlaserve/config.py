@@ -153,7 +153,7 @@ class RuntimeConfig:
     max_batch_size: int = _option(8, "N", "most observations run in one batch (memory is checked for it)")
     memory_profile: str = _option("default", "PROFILE", "default, edge-16gb or offload: where the weights live, "
                                                         "what the engine keeps (docs/memory.md)")
-    warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's CUDA graphs are "
+    warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's first CUDA graphs are "
                                                 "captured, the rest captured while serving) or blocking (ready "
                                                 "once every one is)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
@@ -196,6 +196,9 @@ class RuntimeConfig:
     # CUDA graph capture: one warm-up run per kernel signature before the captures ("per_kernel"), or
     # two before every graph ("per_graph": the older way, kept to compare on a GPU).
     capture_warmups: str = "per_kernel"
+    # CUDA, an empty compile cache: each batch size's Triton kernels compiled together on threads
+    # before its warm-ups (runtime/fast/precompile.py); False: one by one as the warm-ups launch them.
+    parallel_compile: bool = True
 
     def __post_init__(self):
         buckets = self.prompt_buckets

@@ -76,3 +76,9 @@ def activate(directory: str | Path | None, device: torch.device) -> Path:
     if not keep:
         _activated = os.environ[TRITON_ENV] = str(path)
     return path
+
+
+def is_empty(path: Path) -> bool:
+    """Whether the cache directory `activate` returned holds nothing yet (a first start for this GPU
+    and software: every kernel will compile)."""
+    return not any(Path(path).iterdir())

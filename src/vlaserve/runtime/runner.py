@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -31,8 +31,9 @@ from ..model.rtc import RTCGuidance
 from ..processing.prepare import to_device
 from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
-from .compile_cache import activate
+from .compile_cache import activate, is_empty
 from .device import synchronize
+from .fast.precompile import compile_threads
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -212,7 +213,11 @@ class Runtime:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
-        activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
+        cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
+        # A cache without a single entry: every kernel is compiled, so each batch size's are
+        # compiled together on threads before its warm-ups (fast/precompile.py). With some
+        # entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
+        threads = compile_threads() if self.settings.parallel_compile and is_empty(cache) else 0
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
@@ -241,45 +246,60 @@ class Runtime:
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
                      self.graph_bytes / 2**30, estimate.engine / 2**30)
 
-        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure)
+        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, threads)
 
     def serve_while_capturing(self, runner, plan: list[GraphKey], num_steps: int, background: bool,
-                              finish=lambda: None) -> None:
+                              finish=lambda: None, compile_threads: int = 0) -> None:
         """Serves with `runner` from the plan's first batch size on: captures the plan (runner.capture
         (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the
-        captures run in a thread and this returns at once; else they run here and a failure raises."""
+        captures run in a thread and this returns at once; else they run here and a failure raises.
+        `compile_threads` > 0: before a batch size's first capture, runner.precompile(its keys,
+        num_steps, compile_threads) compiles their kernels together."""
         self.runner, self.fast_path = runner, True
-        self._graphs = _GraphProgress(plan)
+        self._graphs = _GraphProgress(plan, num_steps)
         self.state = "warming_up"
         self.serving.clear()
         self._settled.clear()
+        args = (runner, num_steps, finish, compile_threads)
         if not background:
-            self._capture(runner, num_steps, finish, reraise=True)
+            self._capture(*args, reraise=True)
             return
-        threading.Thread(target=self._capture, args=(runner, num_steps, finish, False), name="vlaserve-capture",
+        threading.Thread(target=self._capture, args=args, kwargs={"reraise": False}, name="vlaserve-capture",
                          daemon=True).start()
 
-    def _capture(self, runner, num_steps: int, finish, reraise: bool) -> None:
+    def _precompile(self, runner, key: GraphKey, num_steps: int, threads: int) -> None:
+        """Compiles the kernels of key's batch size together (see serve_while_capturing)."""
         graphs = self._graphs
-        first = min((key.batch for key in graphs.plan), default=0)
-        serve_at = sum(key.batch == first for key in graphs.plan)  # the plan lists them first
+        started = time.perf_counter()
+        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, threads)
+        graphs.compiled(kernels, time.perf_counter() - started)
+        log.info("batch %d: %d kernels compiled on %d threads in %.1f s", key.batch, kernels, threads,
+                 time.perf_counter() - started)
+
+    def _capture(self, runner, num_steps: int, finish, compile_threads: int, reraise: bool) -> None:
+        graphs = self._graphs
+        compiled: set[int] = set()  # batch sizes precompiled
         try:
             with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
                       disable=not self.progress) as bar:
-                if not serve_at:
+                if graphs.can_serve():
                     self._start_serving()
-                for key in graphs.plan:
+                while graphs.next_key() is not None:
                     if self.serving.is_set():
                         self.turns.before_capture()
+                    key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
+                    if compile_threads and key.batch not in compiled:
+                        compiled.add(key.batch)
+                        self._precompile(runner, key, num_steps, compile_threads)
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
-                    if len(graphs.done) == serve_at:
+                    if not self.serving.is_set() and graphs.can_serve():
                         self._start_serving()
             finish()
         except Exception as e:
-            graphs.error = f"{type(e).__name__}: {e}"
+            graphs.failed(f"{type(e).__name__}: {e}")
             self.state = "failed"
             self._settled.set()
             log.exception("CUDA graph capture failed after %d of %d graphs (%s); %s", len(graphs.done),
@@ -300,9 +320,24 @@ class Runtime:
         self.state = "capturing"
         self.serving.set()
         self._settled.set()
-        log.info("serving after %.1f s: batch %s's CUDA graphs are captured; %d more in the background",
+        log.info("serving after %.1f s: batch %s's first CUDA graphs are captured; %d more in the background",
                  graphs.serving_after_s, min((k.batch for k in graphs.plan), default=1),
                  len(graphs.plan) - len(graphs.done))
+
+    def _await_graphs(self, token_len: int, vision_slots: int, num_steps: int, rtc: bool) -> None:
+        """While the plan is captured: a call whose shape has no graph yet at the plan's first batch
+        size (its prompt length, camera layout or RTC not captured yet) asks for those graphs next
+        and waits for them, at most SERVING_WAIT_S, so it never runs uncaptured. A shape the plan
+        lacks (another step count) runs as it always does."""
+        graphs = self._graphs
+        if num_steps != graphs.num_steps:
+            return
+        first = graphs.plan[0].batch
+        needed = [k for k in (GraphKey(first, token_len, vision_slots), GraphKey(first, token_len, rtc=rtc))
+                  if k in graphs.planned]
+        if not graphs.wait_for(needed, self.SERVING_WAIT_S):
+            raise NotServing(f"the CUDA graphs for {', '.join(map(str, needed))} are still being captured after "
+                             f"{self.SERVING_WAIT_S:.0f} s of waiting ({len(graphs.done)} of {len(graphs.plan)} captured)")
 
     def _wait_until_serving(self) -> None:
         graphs = self._graphs
@@ -329,6 +364,8 @@ class Runtime:
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         if not self.serving.is_set():
             self._wait_until_serving()  # outside the lock: the warm-up takes it to capture
+        if self.state == "capturing":
+            self._await_graphs(inputs.tokens.shape[1], vision_slots, num_steps, rtc is not None)
         with self.turns.serving():
             runner = self.runner
             # non_blocking: a plain copy would wait for the batch the device is still running.
@@ -377,19 +414,30 @@ class Runtime:
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
 
 
-@dataclass
 class _GraphProgress:
-    """Where a capture plan stands, for stats()["graphs"]: seconds since the warm-up began."""
+    """Where a capture plan stands, for stats()["graphs"] (seconds since the warm-up began), and
+    which graph comes next: the plan's order, but a graph a waiting call needs first."""
 
-    plan: list[GraphKey]
-    timed: list[tuple[str, float, float]] = field(default_factory=list)  # (shape, warm-up s, capture s), in order
-    started: float = field(default_factory=time.perf_counter)
-    serving_after_s: float | None = None
-    all_captured_after_s: float | None = None
-    error: str | None = None
-
-    def __post_init__(self):
-        if not self.plan:  # nothing to capture (the eager model): serving, and all captured, at once
+    def __init__(self, plan: list[GraphKey], num_steps: int = 0):
+        self.plan, self.num_steps = plan, num_steps
+        self.planned = set(plan)
+        self.timed: list[tuple[str, float, float]] = []  # (shape, warm-up s, capture s), in order
+        self.started = time.perf_counter()
+        self.serving_after_s: float | None = None
+        self.all_captured_after_s: float | None = None
+        self.error: str | None = None
+        self.kernels_compiled = 0  # by precompile (a cold compile cache), and the seconds it took
+        self.compile_s = 0.0
+        self._captured: set[GraphKey] = set()
+        self._wanted: list[GraphKey] = []
+        self._changed = threading.Condition()
+        # Serving starts once the first batch size can run its first prompt length and camera
+        # layout without RTC (the plan lists that prefix and its Euler steps first; the offload
+        # profile's plan has no prefix graphs): the most common call. Others wait for theirs.
+        first = [k for k in plan if k.batch == plan[0].batch] if plan else []
+        self._serve_keys = {next(k for k in first if k.is_prefix == prefix)
+                            for prefix in (True, False) if any(k.is_prefix == prefix for k in first)}
+        if not plan:  # nothing to capture (the eager model): serving, and all captured, at once
             self.serving_after_s = self.all_captured_after_s = 0.0
 
     @property
@@ -404,16 +452,48 @@ class _GraphProgress:
     def capture_s(self) -> float:
         return sum(c for _, _, c in self.timed)
 
+    def can_serve(self) -> bool:
+        return self._serve_keys <= self._captured
+
+    def next_key(self) -> GraphKey | None:
+        """The next graph to capture: the first one a waiting call asked for, else the plan's next."""
+        with self._changed:
+            return next((k for k in (*self._wanted, *self.plan) if k not in self._captured), None)
+
+    def wait_for(self, keys: list[GraphKey], timeout: float) -> bool:
+        """Asks for `keys` next and waits until they are captured (or the capture failed) -> False
+        after `timeout`."""
+        with self._changed:
+            missing = [k for k in keys if k not in self._captured]
+            if not missing:
+                return True
+            self._wanted += [k for k in missing if k not in self._wanted]
+            return self._changed.wait_for(
+                lambda: self.error is not None or all(k in self._captured for k in missing), timeout)
+
+    def failed(self, error: str) -> None:
+        with self._changed:
+            self.error = error
+            self._changed.notify_all()
+
+    def compiled(self, kernels: int, seconds: float) -> None:
+        self.kernels_compiled += kernels
+        self.compile_s += seconds
+
     def captured(self, key: GraphKey, warmup_s: float, capture_s: float) -> None:
-        self.timed.append((str(key), warmup_s, capture_s))
+        with self._changed:
+            self.timed.append((str(key), warmup_s, capture_s))
+            self._captured.add(key)
+            self._changed.notify_all()
 
     def stats(self) -> dict:
         timed = list(self.timed)
         done = [shape for shape, _, _ in timed]
         return {"captured": len(done), "total": len(self.plan), "pending": len(self.plan) - len(done),
-                "captured_shapes": done, "pending_shapes": [str(key) for key in self.plan[len(done):]],
+                "captured_shapes": done, "pending_shapes": [str(k) for k in self.plan if str(k) not in done],
                 "serving_after_s": self.serving_after_s, "all_captured_after_s": self.all_captured_after_s,
                 "warmup_s": sum(w for _, w, _ in timed), "capture_s": sum(c for _, _, c in timed),
+                "kernels_compiled_ahead": self.kernels_compiled, "compile_ahead_s": self.compile_s,
                 "per_graph": [{"shape": shape, "warmup_s": round(w, 4), "capture_s": round(c, 4)}
                               for shape, w, c in timed],
                 "error": self.error}

@@ -28,6 +28,7 @@ from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
+from .precompile import KernelRecorder
 
 
 class _Graph:
@@ -218,33 +219,61 @@ class FastRunner:
         b, length = key.batch, key.length
         with self._device_lock:
             started = time.perf_counter()
-            if key.is_prefix:
-                # One camera layout differs from another in SigLIP's batch (b x slots images) only: the same
-                # Triton specializations; quack's CuTe kernels may compile per GEMM shape, so each warms up.
-                graphs, graph_key = self._prefix_graphs, (b, length, key.slots)
-                signature = ("prefix", b, length, key.slots if self.gemm_library == "quack" else None)
-                make = lambda buf, rtc: self._prefix_fn(buf, key.slots)  # noqa: E731
-            else:
-                self.fast.schedule(num_steps)  # allocated outside the capture
-                graphs, graph_key = self._denoise_graphs, (b, length, num_steps, key.rtc)
-                signature = ("denoise", b, length, key.rtc)
-                make = lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None)  # noqa: E731
+            graphs, graph_key, signature, make = self._call_of(key, num_steps)
             if graph_key in graphs:
                 return 0.0, 0.0
             runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
             if runs:
-                if self._scratch_batch != b:
-                    self._scratch, self._scratch_batch = {}, b
-                with torch.cuda.stream(self._capture_stream):  # allocated where they are used
-                    scratch = self._buffer_set(self._scratch, b, length)
-                    scratch_rtc = self._rtc_buffers(b, length, num_steps, self._scratch)
-                self._warm_up(make(scratch, scratch_rtc), runs)
+                self._warm_up(make(*self._scratch_of(b, length, num_steps)), runs)
                 self._warmed.add(signature)
             warmed = time.perf_counter()
             buf, rtc = self.buffers(b, length), self._rtc_buffers(b, length, num_steps)
             graphs[graph_key] = self._new_graph(make(buf, rtc))
             self.captures += 1
             return warmed - started, time.perf_counter() - warmed
+
+    def _call_of(self, key: GraphKey, num_steps: int):
+        """-> (its graph store, its key there, its warm-up signature, make(buffers, rtc) -> the call)."""
+        b, length = key.batch, key.length
+        if key.is_prefix:
+            # One camera layout differs from another in SigLIP's batch (b x slots images) only: the same
+            # Triton specializations; quack's CuTe kernels may compile per GEMM shape, so each warms up.
+            signature = ("prefix", b, length, key.slots if self.gemm_library == "quack" else None)
+            return (self._prefix_graphs, (b, length, key.slots), signature,
+                    lambda buf, rtc: self._prefix_fn(buf, key.slots))
+        self.fast.schedule(num_steps)  # allocated outside the capture
+        return (self._denoise_graphs, (b, length, num_steps, key.rtc), ("denoise", b, length, key.rtc),
+                lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None))
+
+    def _scratch_of(self, b: int, length: int, num_steps: int):
+        """The warm-up buffers of batch size b (the previous size's go): (buffers, rtc buffers)."""
+        if self._scratch_batch != b:
+            self._scratch, self._scratch_batch = {}, b
+        with torch.cuda.stream(self._capture_stream):  # allocated where they are used
+            return (self._buffer_set(self._scratch, b, length),
+                    self._rtc_buffers(b, length, num_steps, self._scratch))
+
+    @torch.no_grad()
+    def precompile(self, keys: list[GraphKey], num_steps: int, threads: int) -> int:
+        """Compiles the Triton kernels the warm-ups of `keys` would compile, on `threads` threads,
+        before any of them runs (fast/precompile.py) -> how many kernels. Each call not warmed up
+        yet runs once on scratch buffers with those kernels recorded instead of launched (its
+        other work, cuBLAS's, runs: on scratch, and never read), under the device lock."""
+        if not self.use_graphs:
+            return 0
+        recorder, ran = KernelRecorder(), set()
+        for key in keys:
+            if key.is_prefix and self.fast.layer_stream is not None:
+                continue
+            with self._device_lock:
+                graphs, graph_key, signature, make = self._call_of(key, num_steps)
+                if graph_key in graphs or signature in self._warmed or signature in ran:
+                    continue
+                ran.add(signature)
+                call = make(*self._scratch_of(key.batch, key.length, num_steps))
+                with recorder.recording():
+                    self._warm_up(call, 1)
+        return recorder.compile(threads)
 
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""

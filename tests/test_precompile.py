@@ -1,0 +1,165 @@
+"""Compiling kernels together before a warm-up (vlaserve.runtime.fast.precompile) and where the
+runtime does it: once per batch size, before that size's first capture, only with an empty cache.
+
+Triton compiles for sm_90 here with its bundled ptxas; a stand-in driver answers Triton's device
+questions (device 0, an sm_90 target), so a launch specializes and compiles as on an H200 but runs
+nothing (every call below is recorded, or a warm-up, which launches nothing)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vlaserve.runtime import compile_cache
+from vlaserve.runtime.capture import capture_plan
+from vlaserve.runtime.fast.precompile import KernelRecorder, compile_threads
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class _Sm90:
+    """Triton's driver questions, answered for one sm_90 device with no GPU behind it."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+@triton.jit
+def _broken(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), undefined_name)  # noqa: F821 (a compile error, on purpose)
+
+
+@pytest.fixture
+def sm90(monkeypatch, tmp_path):
+    """The stand-in driver, a fresh compile cache, and a count of the compiles Triton runs."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(driver, "_active", _Sm90())  # (a GPU's own driver is back after the test)
+    compiles = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: compiles.append(kw["fn"].name))
+    for kernel in (_copy, _broken):
+        kernel.device_caches.clear()
+    yield compiles
+    for kernel in (_copy, _broken):
+        kernel.device_caches.clear()
+
+
+def _cached(kernel) -> int:
+    kernel_cache = kernel.device_caches[0][0]
+    return len(kernel_cache)
+
+
+def test_a_recorded_launch_compiles_nothing_and_launches_nothing(sm90):
+    x, y = torch.empty(64), torch.empty(64)
+    recorder = KernelRecorder()
+    with recorder.recording():
+        assert _copy[(1,)](x, y, 64, BLOCK=64) is None  # skipped: no kernel object, so nothing ran
+        _copy[(1,)](x, y, 64, BLOCK=128)
+        _copy[(1,)](x, y, 60, BLOCK=64)  # 60: not a multiple of 16, another specialization
+        _copy[(1,)](x, y, 64, BLOCK=64)  # the same specialization again: recorded once
+    assert len(recorder.recorded) == 3 and sm90 == [] and _cached(_copy) == 0
+    assert triton.knobs.runtime.jit_cache_hook is None  # the hook is gone with the block
+
+
+def test_the_recorded_kernels_compile_together_and_the_warm_up_finds_them(sm90):
+    x, y = torch.empty(64), torch.empty(64)
+    recorder = KernelRecorder()
+    with recorder.recording():
+        for block in (16, 32, 64):
+            _copy[(1,)](x, y, 64, BLOCK=block)
+    assert recorder.compile(threads=2) == 3 and len(sm90) == 3 and recorder.recorded == {}
+    # what a warm-up launch compiles for is exactly what was compiled: no compile more
+    for block in (16, 32, 64):
+        assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,)) is not None
+    assert len(sm90) == 3 and _cached(_copy) == 3
+
+
+def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
+    x, y = torch.empty(64), torch.empty(64)
+    recorder, compiled = KernelRecorder(), []
+    with recorder.recording():
+        other = threading.Thread(target=lambda: compiled.append(_copy.warmup(x, y, 64, BLOCK=32, grid=(1,))))
+        other.start()
+        other.join()
+        _copy[(1,)](x, y, 64, BLOCK=64)
+    assert compiled[0] is not None and sm90 == ["_copy"]  # the other thread's compile ran, not skipped
+    assert len(recorder.recorded) == 1
+
+
+def test_a_kernel_that_does_not_compile_fails_the_compile(sm90):
+    recorder = KernelRecorder()
+    with recorder.recording():
+        _broken[(1,)](torch.empty(16), BLOCK=16)
+    with pytest.raises(Exception, match="undefined_name"):
+        recorder.compile(threads=2)
+
+
+def test_threads_leave_a_core_and_stop_at_sixteen(monkeypatch):
+    import os
+
+    for cores, threads in ((1, 1), (2, 1), (16, 15), (128, 16)):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert compile_threads() == threads
+
+
+def test_an_empty_cache_is_one_without_a_single_entry(tmp_path):
+    assert compile_cache.is_empty(tmp_path)
+    (tmp_path / "a1b2").mkdir()
+    assert not compile_cache.is_empty(tmp_path)
+
+
+class _Recording:
+    """A runner stand-in that records the order of precompiles and captures."""
+
+    def __init__(self):
+        self.events = []
+
+    def precompile(self, keys, num_steps, threads):
+        self.events.append(("precompile", tuple(keys), threads))
+        return 7
+
+    def capture(self, key, num_steps):
+        self.events.append(("capture", key))
+        return 0.0, 0.0
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, threads):
+    from vlaserve.runtime.runner import Runtime
+
+    runner = _Recording()
+    runtime = Runtime(golden_policy.model, golden_policy.config, golden_policy.runtime.settings,
+                      torch.device("cpu"), torch.float32, "test")
+    plan = capture_plan((1, 2, 4), (48, 96), 2)
+    runtime.serve_while_capturing(runner, plan, 10, background=False, compile_threads=threads)
+    captures = [e[1] for e in runner.events if e[0] == "capture"]
+    assert captures == plan
+    precompiles = [(i, e) for i, e in enumerate(runner.events) if e[0] == "precompile"]
+    if not threads:
+        assert precompiles == []
+        return
+    # one per batch size, right before its first capture, with every key of that size
+    assert [e[1] for _, e in precompiles] == [tuple(k for k in plan if k.batch == b) for b in (1, 4, 2)]
+    for i, e in precompiles:
+        assert runner.events[i + 1] == ("capture", e[1][0]) and e[2] == threads
+    graphs = runtime.stats()["graphs"]
+    assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
