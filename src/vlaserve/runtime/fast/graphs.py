@@ -34,19 +34,12 @@ from .precompile import KernelRecorder
 class _Graph:
     """One captured call. A capture records and runs nothing: the kernels it records must have run
     before (a warm-up compiles them), and no other thread may touch the device meanwhile (the
-    caller holds the device lock). Recorded with capture_begin / capture_end, not torch.cuda.graph,
-    whose context first synchronizes the whole device (waiting out a served batch in flight, the
-    device lock held) and empties the device and pinned-host caches (so the batches served next
-    allocate anew): nothing a recording needs."""
+    caller holds the device lock)."""
 
     def __init__(self, fn, pool, stream: torch.cuda.Stream):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool)
-            try:
-                self.output = fn()
-            finally:
-                self.graph.capture_end()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = fn()
 
     def replay(self):
         self.graph.replay()
