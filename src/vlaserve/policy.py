@@ -135,6 +135,11 @@ class Policy:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
         return self.preprocessor.prepare(request if isinstance(request, Request) else self.request(request))
 
+    def is_light(self, request: Request) -> bool:
+        """Whether `prepare(request)` is cheap enough to run where latency matters (raw frames: no
+        decode, no host resize)."""
+        return self.preprocessor.is_light(request)
+
     def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None,
               rtc: dict | None = None) -> InferenceResult:
         return self.run([self.request(obs, noise, seed, num_steps, rtc)])[0]

@@ -227,17 +227,24 @@ class Service:
 
     async def _prepare_and_queue(self, requests: list, in_request_body: bool) -> tuple[list, list, float]:
         """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
-        ones' futures, when preparing ended). A lone request (a robot's frame) is queued by the worker
-        that prepared it, without a hop back through the event loop first (135 us at p50 on an H200
-        server's CPU, 90 on a 2-core one: bench_prepare's hops)."""
+        ones' futures, when preparing ended). A lone request of raw frames (a robot's) is prepared and
+        queued right here; another lone one (PNG / JPEG to decode, frames to resize on the host) by
+        the worker that prepared it, without a hop back through the event loop first (135 us at p50
+        on an H200 server's CPU, 90 on a 2-core one: bench_prepare's hops)."""
         todo = [r for r in requests if isinstance(r, Request)]
         if len(todo) != 1:
             prepared = await self.prepare(requests, in_request_body)
             prepared_at = time.perf_counter()
             ready = [r for r in prepared if isinstance(r, Request)]
             return prepared, self.batcher.submit_many(ready) if ready else [], prepared_at
-        error, futures, prepared_at = await self.workers.in_thread(
-            _prepare_and_queue_one, self.policy, self.batcher, todo[0], asyncio.get_running_loop())
+        args = (self.policy, self.batcher, todo[0], asyncio.get_running_loop())
+        if self.policy.is_light(todo[0]):
+            # Raw bytes (a robot's frame): prepared here, on the event loop (~0.3 ms), without the
+            # hop to a worker and its wake-up. Robots sending at once still batch together: the
+            # batcher waits for clients due back (batcher.COMPANY_WAIT_S).
+            error, futures, prepared_at = _prepare_and_queue_one(*args)
+        else:
+            error, futures, prepared_at = await self.workers.in_thread(_prepare_and_queue_one, *args)
         prepared = [api_error(error, in_request_body) if r is todo[0] and error is not None else r for r in requests]
         return prepared, futures, prepared_at
 
