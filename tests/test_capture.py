@@ -188,6 +188,12 @@ def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, 
     assert runner.request_path_captures == 0 and runner.uncaptured_calls == 0
 
 
+class _EmptyPool:
+    def compile(self, recorder):
+        assert recorder.recorded == {}  # the stock kernels: no Triton kernel to record
+        return 0
+
+
 def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
     """FastRunner.precompile's dry runs: one per warm-up signature not warmed up yet (the camera
     layouts share the prefix's), none for what a warm-up already ran; the stock kernels here
@@ -196,12 +202,12 @@ def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
     steps = config.num_inference_steps
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
     batch1 = [k for k in plan if k.batch == 1]
-    assert runner.precompile(batch1, steps, threads=2) == 0
+    assert runner.precompile(batch1, steps, _EmptyPool()) == 0
     assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
     for key in batch1:
         runner.capture(key, steps)
     assert runner.warm_up_runs == 6  # the warm-ups still run (now without compiling)
-    assert runner.precompile(batch1, steps, threads=2) == 0 and runner.warm_up_runs == 6
+    assert runner.precompile(batch1, steps, _EmptyPool()) == 0 and runner.warm_up_runs == 6
 
 
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):

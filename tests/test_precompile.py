@@ -3,7 +3,8 @@ runtime does it: once per batch size, before that size's first capture, only wit
 
 Triton compiles for sm_90 here with its bundled ptxas; a stand-in driver answers Triton's device
 questions (device 0, an sm_90 target), so a launch specializes and compiles as on an H200 but runs
-nothing (every call below is recorded, or a warm-up, which launches nothing)."""
+nothing (every call below is recorded, or a warm-up, which launches nothing). The worker processes
+answer them the same way (precompile's own stand-in, for the target the parent passes)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
-from vlaserve.runtime.fast.precompile import KernelRecorder, compile_threads
+from vlaserve.runtime.fast.precompile import CompilePool, KernelRecorder, compile_workers
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -80,17 +81,25 @@ def test_a_recorded_launch_compiles_nothing_and_launches_nothing(sm90):
     assert triton.knobs.runtime.jit_cache_hook is None  # the hook is gone with the block
 
 
-def test_the_recorded_kernels_compile_together_and_the_warm_up_finds_them(sm90):
+def _cache_entries(directory) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp_path):
     x, y = torch.empty(64), torch.empty(64)
     recorder = KernelRecorder()
     with recorder.recording():
         for block in (16, 32, 64):
             _copy[(1,)](x, y, 64, BLOCK=block)
-    assert recorder.compile(threads=2) == 3 and len(sm90) == 3 and recorder.recorded == {}
-    # what a warm-up launch compiles for is exactly what was compiled: no compile more
+    assert set(recorder.recorded.values()) == {(__name__, "_copy")}
+    with CompilePool(2, _Sm90().get_current_target()) as pool:
+        assert pool.compile(recorder) == 3 and recorder.recorded == {}
+    compiled = _cache_entries(tmp_path)
+    assert len(compiled) >= 3 and sm90 == []  # compiled by the workers, into this process's cache
+    # the launches compile what the workers compiled, under the same keys: no entry is added
     for block in (16, 32, 64):
         assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,)) is not None
-    assert len(sm90) == 3 and _cached(_copy) == 3
+    assert _cache_entries(tmp_path) == compiled and len(sm90) == 3
 
 
 def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
@@ -105,20 +114,23 @@ def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
     assert len(recorder.recorded) == 1
 
 
-def test_a_kernel_that_does_not_compile_fails_the_compile(sm90):
+def test_a_kernel_the_workers_cannot_compile_is_left_to_its_warm_up(sm90, tmp_path, caplog):
     recorder = KernelRecorder()
     with recorder.recording():
         _broken[(1,)](torch.empty(16), BLOCK=16)
-    with pytest.raises(Exception, match="undefined_name"):
-        recorder.compile(threads=2)
+    with CompilePool(1, _Sm90().get_current_target()) as pool, caplog.at_level("WARNING"):
+        assert pool.compile(recorder) == 0
+    assert "1 of 1 kernels did not compile" in caplog.text and "their warm-up compiles them" in caplog.text
+    with pytest.raises(Exception, match="undefined_name"):  # where the launch raises, as without workers
+        _broken.warmup(torch.empty(16), BLOCK=16, grid=(1,))
 
 
-def test_threads_leave_a_core_and_stop_at_sixteen(monkeypatch):
+def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):
     import os
 
-    for cores, threads in ((1, 1), (2, 1), (16, 15), (128, 16)):
+    for cores, workers in ((1, 1), (2, 1), (16, 15), (128, 16)):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
-        assert compile_threads() == threads
+        assert compile_workers() == workers
 
 
 def test_an_empty_cache_is_one_without_a_single_entry(tmp_path):
@@ -133,8 +145,8 @@ class _Recording:
     def __init__(self):
         self.events = []
 
-    def precompile(self, keys, num_steps, threads):
-        self.events.append(("precompile", tuple(keys), threads))
+    def precompile(self, keys, num_steps, pool):
+        self.events.append(("precompile", tuple(keys), pool))
         return 7
 
     def capture(self, key, num_steps):
@@ -142,24 +154,38 @@ class _Recording:
         return 0.0, 0.0
 
 
-@pytest.mark.parametrize("threads", [0, 3])
-def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, threads):
+class _Pool:
+    """A compile pool stand-in: closed once the plan ends."""
+
+    closed, workers = False, 3
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.closed = True
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, with_pool):
     from vlaserve.runtime.runner import Runtime
 
     runner = _Recording()
     runtime = Runtime(golden_policy.model, golden_policy.config, golden_policy.runtime.settings,
                       torch.device("cpu"), torch.float32, "test")
     plan = capture_plan((1, 2, 4), (48, 96), 2)
-    runtime.serve_while_capturing(runner, plan, 10, background=False, compile_threads=threads)
+    pool = _Pool() if with_pool else None
+    runtime.serve_while_capturing(runner, plan, 10, background=False, compile_pool=pool)
     captures = [e[1] for e in runner.events if e[0] == "capture"]
     assert captures == plan
     precompiles = [(i, e) for i, e in enumerate(runner.events) if e[0] == "precompile"]
-    if not threads:
+    if not with_pool:
         assert precompiles == []
         return
     # one per batch size, right before its first capture, with every key of that size
     assert [e[1] for _, e in precompiles] == [tuple(k for k in plan if k.batch == b) for b in (1, 4, 2)]
     for i, e in precompiles:
-        assert runner.events[i + 1] == ("capture", e[1][0]) and e[2] == threads
+        assert runner.events[i + 1] == ("capture", e[1][0]) and e[2] is pool
+    assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0

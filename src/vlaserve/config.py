@@ -196,7 +196,7 @@ class RuntimeConfig:
     # CUDA graph capture: one warm-up run per kernel signature before the captures ("per_kernel"), or
     # two before every graph ("per_graph": the older way, kept to compare on a GPU).
     capture_warmups: str = "per_kernel"
-    # CUDA, an empty compile cache: each batch size's Triton kernels compiled together on threads
+    # CUDA, an empty compile cache: each batch size's Triton kernels compiled together in worker processes
     # before its warm-ups (runtime/fast/precompile.py); False: one by one as the warm-ups launch them.
     parallel_compile: bool = True
 

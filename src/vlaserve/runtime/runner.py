@@ -13,6 +13,7 @@ prepare and enqueue batch k+1 while the device still runs batch k (vlaserve/batc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
 from .compile_cache import activate, is_empty
 from .device import synchronize
-from .fast.precompile import compile_threads
+from .fast.precompile import CompilePool, compile_workers
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -215,9 +216,13 @@ class Runtime:
 
         cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
         # A cache without a single entry: every kernel is compiled, so each batch size's are
-        # compiled together on threads before its warm-ups (fast/precompile.py). With some
-        # entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
-        threads = compile_threads() if self.settings.parallel_compile and is_empty(cache) else 0
+        # compiled together in worker processes before its warm-ups (fast/precompile.py). With
+        # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
+        pool = None
+        if self.settings.parallel_compile and is_empty(cache):
+            from triton.runtime import driver
+
+            pool = CompilePool(compile_workers(), driver.active.get_current_target())
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
@@ -246,52 +251,52 @@ class Runtime:
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
                      self.graph_bytes / 2**30, estimate.engine / 2**30)
 
-        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, threads)
+        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, pool)
 
     def serve_while_capturing(self, runner, plan: list[GraphKey], num_steps: int, background: bool,
-                              finish=lambda: None, compile_threads: int = 0) -> None:
+                              finish=lambda: None, compile_pool: CompilePool | None = None) -> None:
         """Serves with `runner` from the plan's first batch size on: captures the plan (runner.capture
         (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the
         captures run in a thread and this returns at once; else they run here and a failure raises.
-        `compile_threads` > 0: before a batch size's first capture, runner.precompile(its keys,
-        num_steps, compile_threads) compiles their kernels together."""
+        `compile_pool`: before a batch size's first capture, runner.precompile(its keys, num_steps,
+        compile_pool) compiles their kernels together; the pool is closed once the plan ends."""
         self.runner, self.fast_path = runner, True
         self._graphs = _GraphProgress(plan, num_steps)
         self.state = "warming_up"
         self.serving.clear()
         self._settled.clear()
-        args = (runner, num_steps, finish, compile_threads)
+        args = (runner, num_steps, finish, compile_pool)
         if not background:
             self._capture(*args, reraise=True)
             return
         threading.Thread(target=self._capture, args=args, kwargs={"reraise": False}, name="vlaserve-capture",
                          daemon=True).start()
 
-    def _precompile(self, runner, key: GraphKey, num_steps: int, threads: int) -> None:
+    def _precompile(self, runner, key: GraphKey, num_steps: int, pool: CompilePool) -> None:
         """Compiles the kernels of key's batch size together (see serve_while_capturing)."""
         graphs = self._graphs
         started = time.perf_counter()
-        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, threads)
+        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool)
         graphs.compiled(kernels, time.perf_counter() - started)
-        log.info("batch %d: %d kernels compiled on %d threads in %.1f s", key.batch, kernels, threads,
-                 time.perf_counter() - started)
+        log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s", key.batch, kernels,
+                 pool.workers, time.perf_counter() - started)
 
-    def _capture(self, runner, num_steps: int, finish, compile_threads: int, reraise: bool) -> None:
+    def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs
         compiled: set[int] = set()  # batch sizes precompiled
         try:
             with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
-                      disable=not self.progress) as bar:
+                      disable=not self.progress) as bar, compile_pool or contextlib.nullcontext():
                 if graphs.can_serve():
                     self._start_serving()
                 while graphs.next_key() is not None:
                     if self.serving.is_set():
                         self.turns.before_capture()
                     key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
-                    if compile_threads and key.batch not in compiled:
+                    if compile_pool is not None and key.batch not in compiled:
                         compiled.add(key.batch)
-                        self._precompile(runner, key, num_steps, compile_threads)
+                        self._precompile(runner, key, num_steps, compile_pool)
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()

@@ -28,7 +28,7 @@ from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
-from .precompile import KernelRecorder
+from .precompile import CompilePool, KernelRecorder
 
 
 class _Graph:
@@ -254,8 +254,8 @@ class FastRunner:
                     self._rtc_buffers(b, length, num_steps, self._scratch))
 
     @torch.no_grad()
-    def precompile(self, keys: list[GraphKey], num_steps: int, threads: int) -> int:
-        """Compiles the Triton kernels the warm-ups of `keys` would compile, on `threads` threads,
+    def precompile(self, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> int:
+        """Compiles the Triton kernels the warm-ups of `keys` would compile, in `pool`'s processes,
         before any of them runs (fast/precompile.py) -> how many kernels. Each call not warmed up
         yet runs once on scratch buffers with those kernels recorded instead of launched (its
         other work, cuBLAS's, runs: on scratch, and never read), under the device lock."""
@@ -273,7 +273,7 @@ class FastRunner:
                 call = make(*self._scratch_of(key.batch, key.length, num_steps))
                 with recorder.recording():
                     self._warm_up(call, 1)
-        return recorder.compile(threads)
+        return pool.compile(recorder)
 
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""

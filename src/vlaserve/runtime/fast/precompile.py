@@ -1,14 +1,19 @@
-"""Compiling a call's Triton kernels on threads, all at once, before its warm-up runs.
+"""Compiling a call's Triton kernels in worker processes, all at once, before its warm-up runs.
 
 A warm-up compiles each kernel the first time it launches, one after another: with an empty compile
 cache batch 1's graphs waited ~20 s for it on an H200 (run 159), 0.3-1.5 s a kernel. Here the call
 runs once with Triton's `jit_cache_hook` answering "skip" for every kernel not compiled yet: nothing
 of it launches, and its specialization (the argument types, alignments and constexprs its launch
-would compile for) is recorded. Then `JITFunction.preload` compiles each recorded specialization on
-a thread pool, exactly as the launch would have (the same cache key: the kernel lands in Triton's
-in-process cache and in the compile cache), and the warm-up after it finds every kernel compiled.
-Triton's compiler spends its time in MLIR, LLVM and ptxas with the GIL released: on the 2-core CPU
-12 kernels compiled for sm_90 in 5.5 s on one thread and 2.7 s on two.
+would compile for, in Triton's own serialized form) is recorded. Worker processes then compile each
+one with `JITFunction.preload`, exactly as the launch would have, into the compile cache (the
+same key), and the warm-up after it loads them from there instead of compiling.
+
+Processes, not threads: Triton's front end is Python, so compile threads hold the interpreter lock
+for much of their time. On 15 threads batch 1's 27 kernels took 5.5 s, and the later batch sizes'
+compiles, beside serving, slowed every answer (p99 7.9x the p99 after, run 162; 5.8x with worker
+processes, run 166; at the lowest CPU priority batch 1's took 11.0 s instead of 6.9, run 167). A
+worker never touches the GPU: it compiles for the parent's target, which a stand-in driver reports
+to Triton.
 
 The hook is process-wide; it records only on the thread inside `recording()`, and lets every other
 thread's launches compile as usual (a serving thread never launches a kernel that was skipped).
@@ -17,25 +22,27 @@ thread's launches compile as usual (a serving thread never launches a kernel tha
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import multiprocessing
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 log = logging.getLogger(__name__)
 
 
-def compile_threads() -> int:
-    """Threads for compiling: the host's cores but one (serving's host work keeps one)."""
+def compile_workers() -> int:
+    """Worker processes for compiling: the host's cores but one (serving keeps one), at most 16."""
     return max(1, min(16, (os.cpu_count() or 2) - 1))
 
 
 class KernelRecorder:
     """Specializations of the kernels launched on this thread that were not compiled yet:
-    {specialization data (JSON, Triton's format): its JITFunction}."""
+    {specialization data (JSON, Triton's format): (the kernel's module, its name)}."""
 
     def __init__(self):
-        self.recorded: dict[str, object] = {}
+        self.recorded: dict[str, tuple[str, str]] = {}
 
     @contextlib.contextmanager
     def recording(self):
@@ -48,7 +55,8 @@ class KernelRecorder:
         def hook(*args, **kwargs):
             if threading.get_ident() != owner:
                 return previous(*args, **kwargs) if previous is not None else None
-            self.recorded[kwargs["compile"]["specialization_data"]] = kwargs["fn"].jit_function
+            kernel = kwargs["fn"].jit_function.fn
+            self.recorded[kwargs["compile"]["specialization_data"]] = (kernel.__module__, kernel.__qualname__)
             return True  # skip: compile nothing, launch nothing
 
         triton.knobs.runtime.jit_cache_hook = hook
@@ -57,11 +65,66 @@ class KernelRecorder:
         finally:
             triton.knobs.runtime.jit_cache_hook = previous
 
-    def compile(self, threads: int) -> int:
-        """Compiles every recorded specialization on `threads` threads (the first failure raises,
-        as the launch would have) -> how many; the record is emptied."""
-        recorded, self.recorded = self.recorded, {}
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlaserve-compile") as pool:
-            for done in [pool.submit(kernel.preload, data) for data, kernel in recorded.items()]:
-                done.result()
-        return len(recorded)
+
+class CompilePool:
+    """Worker processes compiling recorded specializations into the compile cache (the parent's
+    TRITON_CACHE_DIR, inherited) for `target`, the parent GPU's Triton target."""
+
+    def __init__(self, workers: int, target):
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_start_worker,
+                                         initargs=((target.backend, target.arch, target.warp_size),))
+        for _ in range(workers):  # start them now: their imports overlap the recording
+            self._pool.submit(int)
+
+    def compile(self, recorder: KernelRecorder) -> int:
+        """Compiles what `recorder` holds, in parallel, and waits -> how many compiled (the record is
+        emptied). A kernel that fails here is left to its warm-up, which compiles it again and
+        raises as the launch would (logged here once)."""
+        recorded, recorder.recorded = recorder.recorded, {}
+        jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
+        failed = [job.exception() for job in jobs if job.exception() is not None]
+        if failed:
+            log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
+                        "compiles them", len(failed), len(jobs), type(failed[0]).__name__, failed[0])
+        return len(jobs) - len(failed)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "CompilePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _TargetDriver:
+    """What Triton asks its driver while compiling, answered for the parent's GPU, none here."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _start_worker(target: tuple) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    driver.set_active(_TargetDriver(GPUTarget(*target)))
+
+
+def _compile(module: str, name: str, specialization_data: str) -> None:
+    kernel = importlib.import_module(module)
+    for part in name.split("."):
+        kernel = getattr(kernel, part)
+    kernel.preload(specialization_data)
