@@ -8,7 +8,9 @@ answer them the same way (precompile's own stand-in, for the target the parent p
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import torch
@@ -125,9 +127,19 @@ def test_a_kernel_the_workers_cannot_compile_is_left_to_its_warm_up(sm90, tmp_pa
         _broken.warmup(torch.empty(16), BLOCK=16, grid=(1,))
 
 
-def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):
-    import os
+def test_workers_that_are_gone_leave_the_compiles_to_the_warm_ups(sm90, caplog):
+    recorder = KernelRecorder()
+    with recorder.recording():
+        _copy[(1,)](torch.empty(64), torch.empty(64), 64, BLOCK=64)
+    with CompilePool(1, _Sm90().get_current_target()) as pool:
+        assert isinstance(pool._pool.submit(os._exit, 1).exception(), BrokenProcessPool)  # a worker died
+        with caplog.at_level("WARNING"):
+            assert pool.compile(recorder) == 0  # no error: serving goes on
+    assert "the compile workers are gone" in caplog.text
+    assert _copy.warmup(torch.empty(64), torch.empty(64), 64, BLOCK=64, grid=(1,)) is not None  # compiled here
 
+
+def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):
     for cores, workers in ((1, 1), (2, 1), (16, 15), (128, 16)):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         assert compile_workers() == workers

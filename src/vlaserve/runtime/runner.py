@@ -218,11 +218,7 @@ class Runtime:
         # A cache without a single entry: every kernel is compiled, so each batch size's are
         # compiled together in worker processes before its warm-ups (fast/precompile.py). With
         # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
-        pool = None
-        if self.settings.parallel_compile and is_empty(cache):
-            from triton.runtime import driver
-
-            pool = CompilePool(compile_workers(), driver.active.get_current_target())
+        pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,13 @@ class KernelRecorder:
 
 class CompilePool:
     """Worker processes compiling recorded specializations into the compile cache (the parent's
-    TRITON_CACHE_DIR, inherited) for `target`, the parent GPU's Triton target."""
+    TRITON_CACHE_DIR, inherited) for `target` (default: this process's GPU's Triton target)."""
 
-    def __init__(self, workers: int, target):
+    def __init__(self, workers: int, target=None):
+        if target is None:
+            from triton.runtime import driver
+
+            target = driver.active.get_current_target()
         self.workers = workers
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
@@ -83,7 +88,11 @@ class CompilePool:
         emptied). A kernel that fails here is left to its warm-up, which compiles it again and
         raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
-        jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
+        try:
+            jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
+        except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
+            log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
+            return 0
         failed = [job.exception() for job in jobs if job.exception() is not None]
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
