@@ -160,11 +160,12 @@ class Runtime:
     """Serves batches on one device: picks the runner, consults the prefix cache, times the stages.
 
     On the CUDA fast path the runner's graphs are captured in runtime/capture.py's plan order and
-    `state` moves: "warming_up" (nothing can run yet) -> "capturing" (every batch-1 graph is
-    captured: `serving` is set and batches run, on the captured sizes, while a background thread
-    captures the rest) -> "ready" (all captured); or -> "failed" (a capture raised: logged, named
-    in stats()["graphs"]["error"]; batches keep running on the graphs captured before, or, if that
-    was before batch 1's, fail with NotServing). Elsewhere (the eager model) it is "ready" at once.
+    `state` moves: "warming_up" (nothing can run yet) -> "capturing" (batch 1's first prefix and
+    Euler-steps graphs are captured: `serving` is set and batches run, on the captured sizes, while
+    a background thread captures the rest; a call of a batch-1 shape not captured yet has its graphs
+    captured next and waits for them) -> "ready" (all captured); or -> "failed" (a capture raised:
+    logged, named in stats()["graphs"]["error"]; batches keep running on the graphs captured before,
+    or, if that was before batch 1's first, fail with NotServing). Elsewhere (the eager model) it is "ready" at once.
     `warmup="blocking"` returns from the constructor once all are captured (a failure raises);
     "background" returns at once, and a batch launched before `serving` waits for it, at most
     SERVING_WAIT_S.
