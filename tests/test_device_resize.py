@@ -8,7 +8,7 @@ import torch
 
 from conftest import golden_dir
 from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
-from vlaserve.processing.images import finish_frame, prepare_image
+from vlaserve.processing.images import bytes_to_model_range, finish_frame, prepare_image
 
 CASES = case_dirs(golden_dir())
 
@@ -38,6 +38,26 @@ def test_finished_frame_equals_the_host_resize(size, dtype):
     raw = prepare_image(image, 224, "images.cam", keep_bytes=True, defer_resize=True)
     assert raw.shape[1:] == size  # left for the device
     assert torch.equal(finish_frame(raw, 224), host)
+
+
+def test_bytes_become_the_references_model_inputs_for_every_value():
+    """The reference feeds the model uint8 / 255.0 (a true float32 division: LeRobot divides on the
+    host, pi05_golden/README) and maps [0, 1] to [-1, 1] as x * 2 - 1; numpy computes that here."""
+    reference = np.arange(256, dtype=np.float32) / np.float32(255) * np.float32(2) - np.float32(1)
+    assert np.array_equal(bytes_to_model_range(torch.arange(256, dtype=torch.uint8)).numpy(), reference)
+    # (a multiplication by 1/255, what CUDA torch does for a division by a Python number, is not it)
+    assert (np.arange(256, dtype=np.float32) * (np.float32(1) / np.float32(255)) * 2 - 1 != reference).sum() == 111
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
+@pytest.mark.parametrize("size", [(224, 224), (480, 640), (180, 320), (36, 72), (300, 200)])
+def test_on_a_gpu_frames_become_the_same_model_inputs_as_on_the_host(size):
+    rng = np.random.default_rng(1)
+    everything = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(bytes_to_model_range(everything.cuda()).cpu(), bytes_to_model_range(everything))
+    image = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+    raw = prepare_image(image, 224, "images.cam", keep_bytes=True, defer_resize=True)
+    assert torch.equal(finish_frame(raw.cuda(), 224).cpu(), prepare_image(image, 224, "images.cam"))
 
 
 def test_deferred_resize_gives_the_same_actions(golden_policy, deferring):

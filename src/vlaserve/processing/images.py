@@ -83,9 +83,19 @@ def resize_bytes(frame: torch.Tensor, target: int) -> torch.Tensor:
     return resize_with_pad(frame.float(), target, round_to_bytes=True).to(torch.uint8)
 
 
+_BYTE_SCALE: dict[torch.device, torch.Tensor] = {}  # 255 as a 0-dim float32 tensor, per device
+
+
 def bytes_to_model_range(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels -> float32 in [-1, 1], by the same float32 operations wherever it runs."""
-    return pixels.float() / 255.0 * 2.0 - 1.0
+    """uint8 pixels -> float32 in [-1, 1]: the reference's `uint8 / 255.0` (LeRobot divides on the
+    host: a true IEEE division in float32), then * 2 - 1, bit for bit on any device. The divisor is
+    a tensor on the pixels' device, not a Python number: CUDA torch divides by a number through its
+    rounded reciprocal, which is 1 ulp off the division for 126 of the 256 byte values (111 of them
+    still after * 2 - 1)."""
+    scale = _BYTE_SCALE.get(pixels.device)
+    if scale is None:  # torch.full: a fill on the device's stream, no copy that would wait for it
+        scale = _BYTE_SCALE.setdefault(pixels.device, torch.full((), 255.0, device=pixels.device))
+    return pixels.float() / scale * 2.0 - 1.0
 
 
 def finish_frame(frame: torch.Tensor, target: int) -> torch.Tensor:

@@ -104,12 +104,13 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
             reply = {"actions": result.actions, "server_timing": server_timing,
                      "policy_timing": policy_timing(result.timings)}
             await websocket.send_bytes(packb(reply))
+            # Like OpenPI: the previous cycle's total, since this cycle's send isn't done when reported;
+            # frame received -> reply sent, so the bookkeeping below is not in it.
+            prev_total_ms = ms_since(started)
             service.metrics.observe_stages({"decode_ms": decode_ms, **result.timings,
                                             "encode_ms": ms_since(encode_start)})
             service.metrics.requests.labels(route, "200").inc()
-            service.metrics.latency.labels(route).observe(ms_since(started) / 1000.0)
-            # Like OpenPI: the previous cycle's total, since this cycle's send isn't done when reported.
-            prev_total_ms = ms_since(started)
+            service.metrics.latency.labels(route).observe(prev_total_ms / 1000.0)
     except WebSocketDisconnect:
         return
 
