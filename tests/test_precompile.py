@@ -201,3 +201,57 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
+
+
+def _imported(module: str) -> bool:
+    import sys
+
+    return module in sys.modules
+
+
+def test_workers_import_the_kernels_as_they_start(sm90):
+    from vlaserve.runtime.fast.precompile import KERNEL_MODULES
+
+    assert not _imported("json.tool")
+    with CompilePool(1, _Sm90().get_current_target(), modules=(*KERNEL_MODULES, "json.tool")) as pool:
+        # a job that runs no kernel: the worker imported them on its start, before any compile
+        assert all(pool._pool.submit(_imported, m).result() for m in (*KERNEL_MODULES, "json.tool"))
+    assert not _imported("json.tool")  # in the worker only
+
+
+class _StartedPool:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_compile_workers_start_before_the_weights_load_and_stop_when_loading_fails(golden, monkeypatch):
+    """From the checkpoint to a Runtime, a first start's compile workers overlap the weights' read; a
+    load that fails leaves no worker behind."""
+    import vlaserve.policy as policy_module
+    from vlaserve import Policy
+    from vlaserve.runtime.runner import CompileSetup
+
+    events, pool = [], _StartedPool()
+
+    def prepare(settings, device):
+        events.append("compile workers")
+        return CompileSetup(golden, pool)
+
+    def load(*args, **kwargs):
+        events.append("weights")
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(policy_module, "prepare_compiles", prepare)
+    monkeypatch.setattr(policy_module, "load_weights", load)
+    with pytest.raises(OSError, match="the disk went away"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    assert events == ["compile workers", "weights"] and pool.closed
+
+
+def test_no_compile_workers_where_the_fast_path_does_not_run():
+    from vlaserve.config import RuntimeConfig
+    from vlaserve.runtime.runner import prepare_compiles
+
+    assert prepare_compiles(RuntimeConfig(device="cpu"), torch.device("cpu")) is None
