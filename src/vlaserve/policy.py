@@ -23,7 +23,7 @@ from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
 from .runtime.memory import check_before_loading
-from .runtime.runner import Runtime, prepare_compiles
+from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
 
 log = logging.getLogger(__name__)
@@ -72,24 +72,17 @@ class Policy:
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
-        # With an empty compile cache, the compile workers start now and get ready while the weights load.
-        compiles = prepare_compiles(settings, device)
-        try:
-            # Offload loads to the host: the streamed layers never touch the device as a whole.
-            load_device = resolve_device("cpu") if settings.profile.offload else device
-            model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
-                                 loader=settings.weights_loader, layout=family.weights).eval()
-            synchronize(load_device)
-            mark("weights_s")
-            layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
-            precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
-            mark("precision_s")
-            runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
-                              progress=progress, compiles=compiles)
-        except BaseException:
-            if compiles is not None and compiles.pool is not None:
-                compiles.pool.close()
-            raise
+        # Offload loads to the host: the streamed layers never touch the device as a whole.
+        load_device = resolve_device("cpu") if settings.profile.offload else device
+        model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
+                             loader=settings.weights_loader, layout=family.weights).eval()
+        synchronize(load_device)
+        mark("weights_s")
+        layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
+        precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+        mark("precision_s")
+        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
+                          progress=progress)
         mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -36,7 +35,7 @@ from .capture import GraphKey, capture_plan
 from .compile_cache import activate, is_empty
 from .device import synchronize
 from .fast.precompile import CompilePool, compile_workers
-from .fast.targets import Target, choose_target, target_for
+from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 from .turns import DeviceTurns
@@ -112,28 +111,6 @@ class EagerRunner:
 CAPTURE_POLL_S = 0.0005
 
 
-@dataclass
-class CompileSetup:
-    """The fast path's compile cache, activated, and the workers that compile its kernels ahead when
-    it is empty (fast/precompile.py)."""
-
-    cache: Path
-    pool: CompilePool | None
-
-
-def prepare_compiles(settings: RuntimeConfig, device: torch.device) -> CompileSetup | None:
-    """Points Triton at the compile cache and, when that holds nothing yet (a first start on this GPU
-    and software: every kernel will compile) and `parallel_compile` is on, starts the compile
-    workers. Policy.from_pretrained calls it before the weights load, so the workers' start (spawn,
-    imports of torch, Triton and the kernels: seconds) overlaps the read. None where the fast path
-    does not run."""
-    if not settings.runs_fast_path(device.type) or target_for(torch.cuda.get_device_capability(device)) is None:
-        return None
-    cache = activate(settings.compile_cache, device)  # before any kernel compiles (TRITON_CACHE_DIR)
-    pool = CompilePool(compile_workers()) if settings.parallel_compile and is_empty(cache) else None
-    return CompileSetup(cache, pool)
-
-
 class Launched:
     """A batch whose device work is enqueued; its actions land in host memory when `done`.
 
@@ -200,8 +177,7 @@ class Runtime:
     SERVING_WAIT_S = 120.0
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
-                 dtype: torch.dtype, revision: str, progress: bool = False, compiles: CompileSetup | None = None):
-        """`compiles`: what prepare_compiles returned before the weights loaded (else it runs here)."""
+                 dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
         self.progress = progress  # a progress bar on stderr while graphs are captured
         # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
@@ -229,20 +205,21 @@ class Runtime:
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
         target = choose_target(device) if runtime.runs_fast_path(device.type) else None
         if target is not None:
-            compiles = compiles or prepare_compiles(runtime, device)
-            self._start_fast_path(model, target, compiles.pool, background=runtime.warmup == "background")
+            self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
 
-    def _start_fast_path(self, model: Pi05Model, target: Target, pool: CompilePool | None, background: bool) -> None:
-        """`pool`: with an empty compile cache every kernel is compiled, so each batch size's are
-        compiled together in these worker processes before its warm-ups (fast/precompile.py). None
-        (a cache with entries): a warm-up's compiles are the few the cache lacks, one by one."""
+    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
+        cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
+        # A cache without a single entry: every kernel is compiled, so each batch size's are
+        # compiled together in worker processes before its warm-ups (fast/precompile.py). With
+        # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
+        pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,

@@ -33,11 +33,6 @@ from concurrent.futures.process import BrokenProcessPool
 log = logging.getLogger(__name__)
 
 
-# The modules holding the fast path's Triton kernels: a worker imports them as it starts (torch and
-# Triton: seconds), so its first compile does not wait for them.
-KERNEL_MODULES = ("vlaserve.runtime.fast.kernels", "vlaserve.runtime.fast.fp8_kernels")
-
-
 def compile_workers() -> int:
     """Worker processes for compiling: the host's cores but one (serving keeps one), at most 16."""
     return max(1, min(16, (os.cpu_count() or 2) - 1))
@@ -74,11 +69,9 @@ class KernelRecorder:
 
 class CompilePool:
     """Worker processes compiling recorded specializations into the compile cache (the parent's
-    TRITON_CACHE_DIR, inherited: set it first) for `target` (default: this process's GPU's Triton
-    target). They start at once and import `modules` (the kernels'), so a pool made before the
-    weights load (runtime.start_compile_workers) is ready when the first batch size records."""
+    TRITON_CACHE_DIR, inherited) for `target` (default: this process's GPU's Triton target)."""
 
-    def __init__(self, workers: int, target=None, modules: tuple[str, ...] = KERNEL_MODULES):
+    def __init__(self, workers: int, target=None):
         if target is None:
             from triton.runtime import driver
 
@@ -86,8 +79,8 @@ class CompilePool:
         self.workers = workers
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
-                                         initargs=((target.backend, target.arch, target.warp_size), modules))
-        for _ in range(workers):  # start every worker now, not on the first compile
+                                         initargs=((target.backend, target.arch, target.warp_size),))
+        for _ in range(workers):  # start them now: their imports overlap the recording
             self._pool.submit(int)
 
     def compile(self, recorder: KernelRecorder) -> int:
@@ -132,13 +125,11 @@ class _TargetDriver:
         return self.target
 
 
-def _start_worker(target: tuple, modules: tuple[str, ...]) -> None:
+def _start_worker(target: tuple) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     driver.set_active(_TargetDriver(GPUTarget(*target)))
-    for module in modules:
-        importlib.import_module(module)
 
 
 def _compile(module: str, name: str, specialization_data: str) -> None:
