@@ -411,13 +411,17 @@ torch.manual_seed(0)
 x = (torch.randn(6, 300) * torch.logspace(-3, 3, 6)[:, None]).half()
 x[3] = 0  # an all-zero row (scale 1)
 x[4, :8] = torch.tensor([-0.0, 1e-4, -1e-4, 200.0, 208.0, 216.0, 232.0, 448.0])  # -0, subnormals, ties
+Config = fp8_kernels.QuantizerConfig
+configs = {"default": None, "one pass, 4 rows (2 left over)": Config(4, 512, True, 4),
+           "two passes of 128 columns": Config(1, 128, False, 4), "two passes, 8 rows": Config(8, 128, False, 2)}
 out = {}
 for name, static in (("dynamic", None), ("static", torch.tensor(x.abs().max().item() / E4M3_MAX / 10))):
     for dtype in (torch.float16, torch.float32):
-        q, s = fp8_kernels.quantize_rows(x.to(dtype), static)
         q_ref, s_ref = quantize_rows(x.to(dtype), static)
-        out[f"{name}_{dtype}"] = {"bits_equal": torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)),
-                                  "scales_equal": torch.equal(s, s_ref)}
+        for label, config in configs.items():
+            q, s = fp8_kernels.quantize_rows(x.to(dtype), static, config)
+            out[f"{name}_{dtype}_{label}"] = {"bits_equal": torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)),
+                                              "scales_equal": torch.equal(s, s_ref)}
 print(json.dumps(out))
 '''
 
@@ -425,10 +429,11 @@ print(json.dumps(out))
 def test_triton_quantizer_is_torchs_bit_for_bit_in_the_interpreter():
     """The fast path's one-kernel quantization (runtime/fast/fp8_kernels.py) against quantize_rows in
     Triton's interpreter: the same e4m3 bits and scales, -0, subnormals, ties to even and saturation
-    included (the kernel rounds in fp32 arithmetic, so its cast is exact on the GPU and here alike)."""
+    included (the kernel rounds in fp32 arithmetic, so its cast is exact on the GPU and here alike), in
+    each way the kernel splits the rows: one pass or two, several rows a program, rows left over."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", QUANTIZER_SCRIPT], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert len(out) == 4 and all(v["bits_equal"] and v["scales_equal"] for v in out.values()), out
+    assert len(out) == 16 and all(v["bits_equal"] and v["scales_equal"] for v in out.values()), out
