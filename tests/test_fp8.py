@@ -437,3 +437,118 @@ def test_triton_quantizer_is_torchs_bit_for_bit_in_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert len(out) == 16 and all(v["bits_equal"] and v["scales_equal"] for v in out.values()), out
+
+
+FUSED_NORM_SCRIPT = r'''
+import json, torch
+from vlaserve.runtime.fast import fp8_kernels, kernels
+torch.manual_seed(0)
+out = {}
+def same(a, b):
+    return torch.equal(a.q.view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a.scale, b[1])
+for rows, width in ((5, 256), (3, 64)):
+    h = torch.randn(rows, width).half()
+    delta = (torch.randn(rows, width) * 4).half()
+    delta[1] = -h[1]  # h becomes all zero: scale 1
+    w = (torch.rand(width) + 0.5).half()
+    for name, kwargs in (("norm", {}), ("residual + norm", {"delta": delta})):
+        h_plain, h_fused = h.clone(), h.clone()
+        plain = kernels.residual_norm(h_plain, w, eps=1e-6, **kwargs)
+        fused = kernels.residual_norm(h_fused, w, eps=1e-6, fp8=True, **kwargs)
+        out[f"rms {name} {rows}x{width}"] = same(fused, fp8_kernels.quantize_rows(plain)) and torch.equal(h_plain, h_fused)
+for rows, width in ((4, 72), (2, 100)):  # SigLIP's LayerNorm, a width that is not a power of two
+    h = torch.randn(rows, width).half()
+    delta = (torch.randn(rows, width) * 3).half()
+    w, b = (torch.rand(width) + 0.5).half(), (torch.randn(width) * 0.1).half()
+    for name, kwargs in (("norm", {}), ("residual + norm", {"delta": delta})):
+        h_plain, h_fused = h.clone(), h.clone()
+        plain = kernels.residual_layer_norm(h_plain, w, b, 1e-6, **kwargs)
+        fused = kernels.residual_layer_norm(h_fused, w, b, 1e-6, fp8=True, **kwargs)
+        out[f"layer {name} {rows}x{width}"] = (same(fused, fp8_kernels.quantize_rows(plain))
+                                               and torch.equal(h_plain, h_fused))
+for rows, width in ((3, 300), (2, 2500)):  # one block a row, and several (2048 columns a block)
+    x = (torch.randn(rows, 2 * width) * 2).half()
+    x[0, :width] = 0  # gate 0: an all-zero GeGLU row (scale 1)
+    out[f"gelu {rows}x{width}"] = same(kernels.gelu(x[:, :width].contiguous(), fp8=True),
+                                       fp8_kernels.quantize_rows(kernels.gelu(x[:, :width].contiguous())))
+    out[f"geglu {rows}x{width}"] = same(kernels.geglu(x, fp8=True), fp8_kernels.quantize_rows(kernels.geglu(x)))
+print(json.dumps(out))
+'''
+
+
+def test_a_kernel_that_quantizes_its_output_gives_the_quantizers_bits():
+    """The prefix's RMSNorm and SigLIP's LayerNorm kernels, SigLIP's GELU and Gemma's GeGLU, with
+    fp8=True (their output goes to an fp8 GEMM), against the same kernel's output quantized by
+    fp8_kernels.quantize_rows, in Triton's interpreter (float16 there): the same e4m3 bits and scales,
+    all-zero rows included, and the same residual stream."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", FUSED_NORM_SCRIPT], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert len(out) == 12 and all(out.values()), out
+
+
+FUSED_CALL_SCRIPT = r'''
+import json, torch
+from vlaserve.demo import random_model
+from vlaserve.config import GemmaDims, ModelConfig, VisionDims
+from vlaserve.model.fp8 import convert_to_fp8
+from vlaserve.runtime.fast import fp8_kernels, kernels
+from vlaserve.runtime.fast.model import FastPi05
+
+assert kernels.available() and kernels.interpreted()
+gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
+cfg = ModelConfig(VisionDims(width=64, depth=2, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
+torch.manual_seed(0)
+b, cams, tokens, steps, horizon = 1, 2, 8, 2, 50
+images = torch.rand(b, cams, 3, 28, 28) * 2 - 1
+masks = torch.ones(b, cams, dtype=torch.bool)
+tok = torch.randint(1, 64, (b, tokens))
+tmask = torch.ones(b, tokens, dtype=torch.bool)
+tmask[:, 6:] = False
+noise = torch.randn(b, horizon, 32)
+model = random_model(cfg, torch.float16, "cpu", seed=1, std=0.05)
+convert_to_fp8(model)
+
+quantizer, calls = fp8_kernels.quantize_rows, []
+
+def counted(*args, **kwargs):
+    calls.append(1)
+    return quantizer(*args, **kwargs)
+
+fp8_kernels.quantize_rows = counted  # the fast path looks it up at each call
+
+def run(fused):
+    calls.clear()
+    fast = FastPi05(model, use_triton=True)
+    fast.fused_quantization = fused
+    plen = cams * 4 + tokens
+    cache = -(-(plen + horizon) // 64) * 64
+    k = torch.zeros(2, b, cache, 128, dtype=torch.float16)
+    v = torch.zeros_like(k)
+    with torch.no_grad():
+        pad = fast.prefix(images, masks, tok, tmask, k, v, cams)
+        out = fast.denoise(pad, noise, fast.schedule(steps), k, v, None)
+    return out, k, len(calls)
+
+a, ka, separate = run(False)
+c, kc, left = run(True)
+print(json.dumps({"actions_equal": bool(torch.equal(a, c)), "kv_equal": bool(torch.equal(ka, kc)),
+                  "quantizer_calls": [separate, left]}))
+'''
+
+
+@pytest.mark.slow
+def test_the_fast_path_with_fused_quantization_computes_the_same_call():
+    """A small fp8 model (2 SigLIP layers, 2 Gemma layers) through FastPi05 in Triton's interpreter,
+    its producers quantizing the fp8 GEMMs' inputs (the default) and not (a quantizer kernel before
+    each GEMM): the same actions and K/V cache bit for bit. Unfused, every fp8 GEMM's input is
+    quantized apart: SigLIP's 4 a layer, Gemma's first layer's 4 and its last's q/k/v (k and v only)
+    = 13; fused, only the attention outputs' (one a layer, the last Gemma layer has none) = 3."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", FUSED_CALL_SCRIPT], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out == {"actions_equal": True, "kv_equal": True, "quantizer_calls": [13, 3]}, out

@@ -2,11 +2,13 @@
 
 1. Every [M, K] the prefix and SigLIP quantize at batch 1 and 8 (default bucket 96): the kernel as it
    was (one row a program, two passes) against candidate splits, each checked bit for bit.
-2. The fp8 fast path at batch 1, 2, 4, 8 with the old split and with quantizer_config's: p50, prefix,
-   actions bit-identical between the two.
-3. A kernel profile of the fp8 call at batch 1 and 8 (new split).
+   (--sweep; run 172)
+2. The fp8 fast path at batch 1, 2, 4, 8 with the quantizer kernel before every fp8 GEMM and with
+   the producing kernels quantizing (FastPi05.fused_quantization): p50, prefix, actions bit-identical.
+   (Run 173 compared the old split with quantizer_config's the same way.)
+3. A kernel profile of the fp8 call at batch 1 and 8 (fused).
 
-python3 bench/probes/fp8_quantizer.py   (H200)
+python3 bench/probes/fp8_quantizer.py [--sweep]   (H200)
 """
 
 from __future__ import annotations
@@ -67,8 +69,7 @@ def kernel_us(x, config, calls: int = 20, replays: int = 10) -> float:
     return 1e3 * start.elapsed_time(end) / (calls * replays)
 
 
-def main() -> None:
-    results = {"gpu": torch.cuda.get_device_name(), "sweep": {}, "calls": {}}
+def sweep(results: dict) -> None:
     vision, gemma = CAMERAS * 256, CAMERAS * 256 + BUCKET
     for b in (1, 8):
         for m, k in ((b * vision, 1152), (b * vision, 4304), (b * gemma, 2048), (b * gemma, 16384)):
@@ -86,20 +87,32 @@ def main() -> None:
             log(key, "legacy", round(rows[0]["us"], 1), "default", round(rows[1]["us"], 1), "best",
                 round(best["us"], 1), best["config"], "bits equal:", results["sweep"][key]["all_bits_equal"])
 
-    out = Path(os.environ.get("OUT", "."))
-    if "--sweep-only" in sys.argv:
-        (out / "fp8_quantizer_sweep.json").write_text(json.dumps(results, indent=1))
-        return
-    model, cfg = bench_model(False, "cuda")
-    convert_to_fp8(model)
+
+def engines_of(model, cfg, variants: dict) -> dict:
+    """{name: FastRunner} with each variant's setup applied before its graphs are captured."""
     engines = {}
-    for name, choose in (("legacy", legacy), ("new", NEW)):
-        fp8_kernels.quantizer_config = choose  # read at capture: each engine's graphs keep their split
+    for name, setup in variants.items():
         engines[name] = FastRunner(model, cfg)
+        setup(engines[name])
         for b in (1, 2, 4, 8):
             inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b)
             sample(engines[name], bucketed(inputs, BUCKET), noise, vision_slots=CAMERAS)  # captures now
-    fp8_kernels.quantizer_config = NEW
+    return engines
+
+
+def main() -> None:
+    results = {"gpu": torch.cuda.get_device_name(), "sweep": {}, "calls": {}}
+    out = Path(os.environ.get("OUT", "."))
+    if "--sweep" in sys.argv:
+        sweep(results)
+    model, cfg = bench_model(False, "cuda")
+    convert_to_fp8(model)
+
+    def unfused(engine):
+        engine.fast.fused_quantization = False
+
+    # run 173 compared the quantizer's splits (legacy vs quantizer_config); this, the fused producers
+    engines = engines_of(model, cfg, {"unfused": unfused, "fused": lambda engine: None})
     for b in (1, 2, 4, 8):
         inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b)
         short = bucketed(inputs, BUCKET)
@@ -108,13 +121,14 @@ def main() -> None:
             t = time_ms(lambda: served_call(engine, short, noise), "cuda", warmup=3, iters=20)
             row[name] = {"p50_ms": t["p50_ms"], **stage_medians(engine, short, noise),
                          "actions": sample(engine, short, noise, vision_slots=CAMERAS)[0].cpu()}
-        row["bit_identical"] = torch.equal(row["legacy"].pop("actions"), row["new"].pop("actions"))
+        a, b_ = row["unfused"].pop("actions"), row["fused"].pop("actions")
+        row["bit_identical"], row["max_abs_diff"] = torch.equal(a, b_), float((a - b_).abs().max())
         results["calls"][b] = row
         log(f"b{b}", json.dumps(row))
     for b in (1, 8):
         inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b)
         log(f"profile b{b}")
-        results[f"profile_b{b}"] = profile_kernels(engines["new"], bucketed(inputs, BUCKET), noise)
+        results[f"profile_b{b}"] = profile_kernels(engines["fused"], bucketed(inputs, BUCKET), noise)
     (out / "fp8_quantizer.json").write_text(json.dumps(results, indent=1))
 
 

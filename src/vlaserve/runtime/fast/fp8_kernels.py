@@ -19,23 +19,10 @@ from ...model.fp8 import E4M3, E4M3_MAX
 from .kernels import triton
 
 if triton is not None:
-    import triton.language as tl
+    from .kernels import _round_e4m3
 
-    @triton.jit
-    def _round_e4m3(y):
-        """fp32 y, |y| <= 448 -> the nearest e4m3 value (ties to even), as fp32, its sign kept (-0
-        too, as torch's cast). The step is 2^(e - 3) for |y| in [2^e, 2^(e+1)), and 2^-9 below 2^-6
-        (subnormals); |y| / step is then below 16, where adding and subtracting 1.5 * 2^23 rounds it
-        to an integer, ties to even."""
-        bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-        rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
-        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
-        sign = (bits >> 31) << 31
-        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, STATIC: tl.constexpr, ROWS: tl.constexpr,
@@ -91,7 +78,7 @@ FEW_ROWS = 2048
 
 def quantizer_config(m: int, k: int) -> QuantizerConfig:
     """The split for [M, K] (every split computes the same bits). Measured on the H200 inside CUDA
-    graphs, the way the fast path runs them (run 172, `bench/probes/fp8_quantizer.py` at 1d7ad2e), for
+    graphs, the way the fast path runs them (run 172, `7bbc5e0:bench/probes/fp8_quantizer.py`), for
     SigLIP's widths 1152 / 4304 and Gemma's 2048 / 16384 at batch 1 and 8: one pass for rows up to
     2048 wide; 1024-column steps for 4304 (a 4096 step computes a mostly empty second block: 48.7
     against 88.4 us at 6144 rows); a 16384-wide row in one pass only while rows are few."""
