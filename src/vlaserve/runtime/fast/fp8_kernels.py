@@ -19,10 +19,23 @@ from ...model.fp8 import E4M3, E4M3_MAX
 from .kernels import triton
 
 if triton is not None:
-    from .kernels import _round_e4m3
-
-if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _round_e4m3(y):
+        """fp32 y, |y| <= 448 -> the nearest e4m3 value (ties to even), as fp32, its sign kept (-0
+        too, as torch's cast). The step is 2^(e - 3) for |y| in [2^e, 2^(e+1)), and 2^-9 below 2^-6
+        (subnormals); |y| / step is then below 16, where adding and subtracting 1.5 * 2^23 rounds it
+        to an integer, ties to even."""
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
+        rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
+        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
+        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
+        sign = (bits >> 31) << 31
+        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, STATIC: tl.constexpr, ROWS: tl.constexpr,

@@ -28,8 +28,6 @@ import os
 
 import torch
 
-from ...model.fp8 import E4M3, QuantizedRows
-
 try:
     import triton
     import triton.language as tl
@@ -119,38 +117,11 @@ if triton is not None:
         tl.store(o_ptr + rows[:, None] * M + cols[None, :], act.to(o_ptr.dtype.element_ty), mask=rows[:, None] < R)
 
     @triton.jit
-    def _round_e4m3(y):
-        """fp32 y, |y| <= 448 -> the nearest e4m3 value (ties to even), as fp32, its sign kept (-0
-        too, as torch's cast). The step is 2^(e - 3) for |y| in [2^e, 2^(e+1)), and 2^-9 below 2^-6
-        (subnormals); |y| / step is then below 16, where adding and subtracting 1.5 * 2^23 rounds it
-        to an integer, ties to even."""
-        bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-        rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
-        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
-        sign = (bits >> 31) << 31
-        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _store_e4m3_row(y, q_row_ptr, scale_ptr, cols, mask):
-        """A row's values (fp32, rounded to the activation dtype already) -> its e4m3 values and scale
-        stored, as fp8_kernels.quantize_rows would from the stored row (dynamic, per token)."""
-        row_max = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-        scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
-        tl.store(scale_ptr, scale)
-        q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0))
-        tl.store(q_row_ptr + cols, q.to(tl.float8e4nv), mask=mask)
-
-    @triton.jit
-    def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, qs_ptr, R, eps,
+    def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, R, eps,
                        SPLITS: tl.constexpr, N: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr):
+                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr):
         # One row per program: h += gate * delta (delta = sum of SPLITS partials, or one bf16 row),
-        # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift), stored
-        # in h's dtype, or (FP8) that value quantized for an fp8 GEMM: e4m3 into y, its scale into qs.
+        # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift).
         row = tl.program_id(0)
         cols = tl.arange(0, N)
         _await_inputs(PDL)
@@ -169,16 +140,12 @@ if triton is not None:
         y = h * (1.0 / tl.sqrt(var + eps)) * tl.load(scale_ptr + cols)
         if HAS_SHIFT:
             y = y + tl.load(shift_ptr + cols)
-        if FP8:
-            _store_e4m3_row(y.to(h_ptr.dtype.element_ty).to(tl.float32), y_ptr + row * N, qs_ptr + row, cols, cols < N)
-        else:
-            tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty))
+        tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty))
 
     @triton.jit
-    def _residual_layer_norm(delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, qs_ptr, N, eps,
-                             BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, FP8: tl.constexpr):
-        # SigLIP: h += delta; y = LayerNorm(h) with fp32 statistics and parameters; stored or
-        # quantized as in _residual_norm.
+    def _residual_layer_norm(delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, N, eps,
+                             BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+        # SigLIP: h += delta; y = LayerNorm(h) with fp32 statistics and parameters.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -192,10 +159,7 @@ if triton is not None:
         var = tl.sum(centred * centred, axis=0) / N
         y = centred / tl.sqrt(var + eps) * tl.load(w_ptr + cols, mask=mask, other=0.0) \
             + tl.load(b_ptr + cols, mask=mask, other=0.0)
-        if FP8:
-            _store_e4m3_row(y.to(h_ptr.dtype.element_ty).to(tl.float32), y_ptr + row * N, qs_ptr + row, cols, mask)
-        else:
-            tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gelu_flat(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -215,40 +179,6 @@ if triton is not None:
         u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
         act = gelu_tanh(g).to(y_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _activation_block(x_ptr, row, M, cols, mask, GEGLU: tl.constexpr):
-        # Columns `cols` of one row of the MLP's activation, fp32 holding the values _gelu_flat /
-        # _geglu_rows store (the eager path's rounding): gelu_tanh(x) of x [R, M] (SigLIP), or
-        # gelu_tanh(gate) * up of x [R, 2M] = [gate | up] (Gemma).
-        if GEGLU:
-            g = tl.load(x_ptr + row * 2 * M + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
-            act = gelu_tanh(g).to(x_ptr.dtype.element_ty).to(tl.float32) * u
-        else:
-            act = gelu_tanh(tl.load(x_ptr + row * M + cols, mask=mask, other=0.0).to(tl.float32))
-        return act.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _activation_fp8(x_ptr, q_ptr, s_ptr, M, GEGLU: tl.constexpr, BLOCK: tl.constexpr):
-        # One row a program: the activation's row amax, then the row quantized for the fp8 GEMM that
-        # takes it (fp8_kernels.quantize_rows's bits), computing the activation again (its input is
-        # read twice, the second time mostly from L2) instead of storing and re-reading it.
-        row = tl.program_id(0)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, M, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < M
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(_activation_block(x_ptr, row, M, cols, mask, GEGLU)), 0.0))
-        row_max = tl.max(amax, axis=0)
-        scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
-        tl.store(s_ptr + row, scale)
-        for c0 in range(0, M, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < M
-            act = _activation_block(x_ptr, row, M, cols, mask, GEGLU)
-            q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(act, scale), -448.0), 448.0))
-            tl.store(q_ptr + row * M + cols, q.to(tl.float8e4nv), mask=mask)
 
     @triton.jit
     def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
@@ -640,29 +570,20 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _norm_output(h2d: torch.Tensor, fp8: bool):
-    """A norm's output: [R, N] in h's dtype, or for an fp8 GEMM its e4m3 rows and their scales."""
-    if not fp8:
-        return torch.empty_like(h2d), h2d
-    return torch.empty(h2d.shape, dtype=E4M3, device=h2d.device), torch.empty(h2d.shape[0], 1, device=h2d.device)
-
-
-def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6,
-                  fp8: bool = False) -> "torch.Tensor | QuantizedRows":
-    """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N]; with
-    `fp8`, quantized per row for an fp8 GEMM (the bits fp8_kernels.quantize_rows gives for it).
+def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6) -> torch.Tensor:
+    """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N].
 
     delta: fp32 split-K partials [S, R, N] or a [R, N] tensor in h's dtype; N a power of two.
     """
-    y, scales = _norm_output(h2d, fp8)
+    y = torch.empty_like(h2d)
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
     pdl = pdl_enabled()
     _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
-                                    scale if shift is None else shift, y, scales, h2d.shape[0], eps, SPLITS=splits,
+                                    scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
-                                    HAS_SHIFT=shift is not None, PDL=pdl, FP8=fp8,
+                                    HAS_SHIFT=shift is not None, PDL=pdl,
                                     num_warps=4 if h2d.shape[1] <= 1024 else 8, **_pdl_launch(pdl))
-    return QuantizedRows(y, scales, h2d.dtype) if fp8 else y
+    return y
 
 
 def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch.Tensor:
@@ -670,42 +591,24 @@ def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch
     return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w), gate=gate, eps=eps)
 
 
-def residual_layer_norm(h2d, weight, bias, eps: float, delta=None, fp8: bool = False) -> "torch.Tensor | QuantizedRows":
-    """SigLIP: h += delta in place (if delta), returns LayerNorm(h) [R, N], or with `fp8` that
-    quantized per row for an fp8 GEMM (as residual_norm)."""
-    y, scales = _norm_output(h2d, fp8)
+def residual_layer_norm(h2d, weight, bias, eps: float, delta=None) -> torch.Tensor:
+    y = torch.empty_like(h2d)
     n = h2d.shape[1]
-    _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, scales, n, eps,
-                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, FP8=fp8, num_warps=4)
-    return QuantizedRows(y, scales, h2d.dtype) if fp8 else y
+    _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, n, eps,
+                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, num_warps=4)
+    return y
 
 
-def _activation_fp8_rows(x2d: torch.Tensor, m: int, geglu: bool) -> QuantizedRows:
-    r = x2d.shape[0]
-    q = torch.empty(r, m, dtype=E4M3, device=x2d.device)
-    scales = torch.empty(r, 1, device=x2d.device)
-    block = min(2048, _pow2(m))
-    _activation_fp8[(r,)](x2d, q, scales, m, GEGLU=geglu, BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    return QuantizedRows(q, scales, x2d.dtype)
-
-
-def gelu(x: torch.Tensor, fp8: bool = False) -> "torch.Tensor | QuantizedRows":
-    """GELU (tanh form) of a contiguous [R, M] tensor, in place: SigLIP's MLP between fc1 and fc2;
-    with `fp8`, quantized per row for an fp8 fc2 instead (x is left as it was)."""
-    if fp8:
-        return _activation_fp8_rows(x, x.shape[1], geglu=False)
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) of a contiguous tensor, in place: SigLIP's MLP between fc1 and fc2."""
     block = 2048
     _gelu_flat[(triton.cdiv(x.numel(), block),)](x, x, x.numel(), BLOCK=block, num_warps=4)
     return x
 
 
-def geglu(gate_up: torch.Tensor, fp8: bool = False) -> "torch.Tensor | QuantizedRows":
-    """[R, 2M] = [gate | up] -> gelu_tanh(gate) * up [R, M]; with `fp8`, quantized per row for an fp8
-    down projection."""
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     r, two_m = gate_up.shape
     m = two_m // 2
-    if fp8:
-        return _activation_fp8_rows(gate_up, m, geglu=True)
     out = torch.empty(r, m, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, num_warps=4)

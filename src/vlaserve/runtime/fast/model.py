@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
-from ...model.fp8 import Fp8Linear, QuantizedRows, linear_fp8, quantize_rows
+from ...model.fp8 import Fp8Linear, linear_fp8, quantize_rows
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance, rtc_guidance_weight
 from ...errors import ConfigError
@@ -65,7 +65,6 @@ class FastPi05:
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
-        self.fused_quantization = True  # see _quantized_by_producer
         self.quack = gemm_library == "quack"
         if self.quack:
             # The offload profile's prefix waits on its weights' copies, not on its GEMMs.
@@ -99,17 +98,9 @@ class FastPi05:
         """x2d @ w^T (+ bias) through quack where it is faster (gemm_library "quack"), else cuBLAS: the same bits."""
         return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else self._gemm(x2d, w, bias)
 
-    def _quantized_by_producer(self, w) -> bool:
-        """Whether the Triton kernel producing w's input quantizes it too (w in fp8 with per-token
-        activation scales: SigLIP's and the prefix's norms ahead of q/k/v, fc1 and gate/up, their
-        GELU / GeGLU ahead of fc2 and down), so it never goes to memory in bf16 and back. `fused_quantization = False` turns it off (ablation:
-        the same bits, a quantizer kernel per GEMM)."""
-        return self.fused_quantization and not self.quack and isinstance(w, Fp8Weight) and w.input_scale is None
-
-    def _gemm(self, x: "torch.Tensor | QuantizedRows", w: "torch.Tensor | Fp8Weight",
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w^T (+ bias): cuBLAS, or for an fp8 weight the fp8 GEMM (torch._scaled_mm where it runs),
-        its input quantized by one Triton kernel on the Triton path (or already, QuantizedRows)."""
+        its input quantized by one Triton kernel on the Triton path."""
         if isinstance(w, Fp8Weight):
             quantizer = fp8_kernels.quantize_rows if self.use_triton else quantize_rows
             return linear_fp8(x, w.data, w.scale, bias, w.input_scale, quantizer=quantizer)
@@ -168,25 +159,19 @@ class FastPi05:
         eps = vis.dims.layer_norm_eps
         norms = [lyr.layer_norm1 for lyr in vis.layers[1:]] + [vis.post_layernorm]
         ln = vis.layers[0].layer_norm1
-        qkv_weights = [w for w, _ in self.w.vision_qkv]
-        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, fp8=self._quantized_by_producer(qkv_weights[0]))
+        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps)
         for i, (lyr, (qkv_w, qkv_b), next_ln) in enumerate(zip(vis.layers, self.w.vision_qkv, norms)):
             self._enter("vision", i)
             attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
             ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
-            fc1_w, fc2_w = weight_of(fc1), weight_of(lyr.mlp.fc2)
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
-                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias),
-                                            fp8=self._quantized_by_producer(fc1_w))
+                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias))
             if self._on_quack("vision_fc1", y):
                 act = cute.linear_gelu(y, fc1.weight, fc1.bias)
             else:
-                act = kernels.gelu(self._gemm(y, fc1_w, fc1.bias), fp8=self._quantized_by_producer(fc2_w))
-            mlp = self._gemm(act, fc2_w, lyr.mlp.fc2.bias)
-            # the next layer's q/k/v take y; after the last layer it is the output (post_layernorm)
-            last = i == len(vis.layers) - 1
-            y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp,
-                                            fp8=not last and self._quantized_by_producer(qkv_weights[i + 1]))
+                act = kernels.gelu(self._gemm(y, weight_of(fc1), fc1.bias))
+            mlp = self._gemm(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
+            y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
         return y
 
     def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache, vision_slots: int | None = None):
@@ -259,7 +244,7 @@ class FastPi05:
             key_bias = torch.where(cache_pad, 0.0, MASK_VALUE).to(torch.float32)
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
-        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps, fp8=self._quantized_by_producer(layers[0].qkv))
+        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
         q_rows = dims.num_heads * dims.head_dim
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
@@ -276,14 +261,13 @@ class FastPi05:
                 attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
                                              kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
-                                      eps=eps, fp8=self._quantized_by_producer(lw.gate_up))
+                                      eps=eps)
             if self._on_quack("prefix_gate_up", y):
                 act = cute.geglu_linear(y, lw.gate_up)
             else:
-                act = kernels.geglu(self._gemm(y, lw.gate_up), fp8=self._quantized_by_producer(lw.down))
+                act = kernels.geglu(self._gemm(y, lw.gate_up))
             down = self._gemm(act, lw.down)
-            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps,
-                                      fp8=self._quantized_by_producer(layers[i + 1].qkv))
+            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):
