@@ -9,6 +9,7 @@ numbers, bit for bit (fp32 division rounded to nearest, then rounded to e4m3 to 
 subnormals kept, saturating at 448, as torch's cast). The rounding is done in fp32 arithmetic, so
 the cast itself is exact: Triton's interpreter (the CPU tests) rounds fp8 casts otherwise than the GPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
