@@ -275,9 +275,10 @@ class Runtime:
         graphs = self._graphs
         started = time.perf_counter()
         kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool)
-        graphs.compiled(kernels, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        graphs.compiled(kernels, seconds)
         log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s", key.batch, kernels,
-                 pool.workers, time.perf_counter() - started)
+                 pool.workers, seconds)
 
     def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs
@@ -492,7 +493,7 @@ class _GraphProgress:
         timed = list(self.timed)
         done = [shape for shape, _, _ in timed]
         return {"captured": len(done), "total": len(self.plan), "pending": len(self.plan) - len(done),
-                "captured_shapes": done, "pending_shapes": [str(k) for k in self.plan if str(k) not in done],
+                "captured_shapes": done, "pending_shapes": [str(k) for k in self.plan if k not in self._captured],
                 "serving_after_s": self.serving_after_s, "all_captured_after_s": self.all_captured_after_s,
                 "warmup_s": sum(w for _, w, _ in timed), "capture_s": sum(c for _, _, c in timed),
                 "kernels_compiled_ahead": self.kernels_compiled, "compile_ahead_s": self.compile_s,

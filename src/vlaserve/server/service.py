@@ -179,9 +179,8 @@ class Service:
     async def prepare(self, requests: list, in_request_body: bool) -> list:
         """Checks each request against the checkpoint and preprocesses it, on worker threads: the
         prepared request is what gets batched, so an observation is preprocessed once, and preparing
-        the next batch overlaps the device's work on this one. (Preparing cheap requests on the event
-        loop instead saved 1.1 ms at one robot but fragmented the batches of 4-8 robots: run 24.)
-        Returns each request, or the ApiError it fails with (an ApiError given stays). The requests
+        the next batch overlaps the device's work on this one (a lone raw-frame request is prepared
+        on the event loop instead: _prepare_and_queue). Returns each request, or the ApiError it fails with (an ApiError given stays). The requests
         share at most `worker_threads` jobs, so a batch of any size takes a bounded share of the backlog."""
         todo = [r for r in requests if isinstance(r, Request)]
         jobs = [todo[i::self.settings.worker_threads] for i in range(min(len(todo), self.settings.worker_threads))]
