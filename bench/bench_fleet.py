@@ -14,8 +14,11 @@ from /metrics (captures after ready must stay flat; through Ray's proxy a scrape
 so with several replicas these cover one of them), errors and crossed answers, and each server stage
 (policy_timing) p50 and p99; and, from the same run, the device time at batch 1 and the server's own
 share around it (the OpenPI socket's prev_total_ms, frame received -> reply sent, minus the device
-time), each stage p50 and p99. Writes bench_fleet[_LABEL].json
-and .png; --smoke serves the golden checkpoint on the CPU to 1 and 2 robots for a second each.
+time), each stage p50 and p99. Per level, where its slowest 1% of answers spent their time, and the
+device time per batch size; per paced level, the floor an ideal batcher would reach on this run's
+batch times and these robots' phases (fleet_model.py): a p99 above it is the server's, a floor above
+a target the device's. Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
+checkpoint on the CPU to 1 and 2 robots for a second each.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 
 from common import (bench_checkpoint, log, parser, percentiles, pyplot, robot_observation, save_json, save_png,
                     start_server, stop_server, wait_until_healthy)
+from fleet_model import batch_times, ideal_latencies
 
 # Batched and single answers of one robot differ by bf16 rounding (~1e-2 at full size); different robots'
 # answers differ by ~1 and more. An answer further than this from its own reference is wrong.
@@ -71,6 +75,7 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
     latencies: list[list[float]] = [[] for _ in range(n)]
     server_totals: list[float] = []
     stages: dict[str, list[float]] = {}
+    answers: list[dict] = []  # each answer's latency and server stages
     errors, wrong, crossed = [0], [0], [0]
     start_barrier = threading.Barrier(n)
     lock = threading.Lock()
@@ -80,9 +85,7 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
         client.infer(observations[i])  # connect and warm this socket before timing
         start_barrier.wait()
         started = time.perf_counter()
-        # Paced robots run at their own phase (fixed per robot), as a fleet does: in lockstep they
-        # would all send on the same tick and measure the batch, not the fleet.
-        phase = np.random.default_rng(i).uniform(0, 1 / hz) if hz else 0.0
+        phase = robot_phase(i, hz)
         tick = 0
         while time.perf_counter() - started < seconds:
             if hz:
@@ -99,6 +102,8 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
                     errors[0] += 1
                 continue
             latencies[i].append((time.perf_counter() - t0) * 1e3)
+            answers.append({"latency_ms": latencies[i][-1], **out.get("policy_timing", {}),
+                            "infer_ms": out.get("server_timing", {}).get("infer_ms")})
             deltas = [float(np.abs(out["actions"] - ref).max()) for ref in references]
             with lock:
                 if deltas[i] > WRONG_ANSWER:
@@ -126,7 +131,40 @@ def run_level(port: int, observations: list[dict], references: list[np.ndarray],
             "server_total_p99_ms": p99(server_totals) if server_totals else None,
             # Each stage of the server (policy_timing: host stages and device), p50 and p99.
             "stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
-            "stages_p99_ms": {k: p99(v) for k, v in stages.items()}}
+            "stages_p99_ms": {k: p99(v) for k, v in stages.items()},
+            "slowest": slowest(answers), "device_ms_by_batch": device_by_batch(answers)}
+
+
+def robot_phase(robot: int, hz: float) -> float:
+    """A paced robot's offset in its period, seconds, fixed per robot as in a fleet (in lockstep they
+    would all send on the same tick and measure the batch, not the fleet)."""
+    return float(np.random.default_rng(robot).uniform(0, 1 / hz)) if hz else 0.0
+
+
+def slowest(answers: list[dict]) -> dict:
+    """Where the slowest 1% of a level's answers (those at or above its p99) spent their time, mean ms:
+    the server's stages (prepare, queue: waiting for the device and for the batch to form, run: the
+    batch's launch, device time and completion, hand-back) and what lies outside them (decoding the
+    frame, encoding and sending the reply, the network and the client)."""
+    if not answers:
+        return {}
+    cut = p99([a["latency_ms"] for a in answers])
+    tail = [a for a in answers if a["latency_ms"] >= cut]
+    keys = ("latency_ms", "prepare_ms", "queue_ms", "run_ms", "device_ms", "handback_ms", "infer_ms")
+    out = {k: statistics.fmean(a[k] for a in tail) for k in keys if all(a.get(k) is not None for a in tail)}
+    if "infer_ms" in out:
+        out["outside_ms"] = out["latency_ms"] - out["infer_ms"]
+    out["answers"] = len(tail)
+    return out
+
+
+def device_by_batch(answers: list[dict]) -> dict[int, float]:
+    """Median device ms per batch size, the size read from each answer's own stages (batch_size)."""
+    by: dict[int, list[float]] = {}
+    for a in answers:
+        if a.get("batch_size") and a.get("device_ms") is not None:
+            by.setdefault(int(a["batch_size"]), []).append(a["device_ms"])
+    return {b: statistics.median(v) for b, v in sorted(by.items())}
 
 
 def p99(values: list[float]) -> float:
@@ -220,11 +258,34 @@ def main() -> None:
                 f"p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} max {level['max_ms']:.1f} ms, batches "
                 f"{level['batches']}, errors {level['errors']}, wrong {level['wrong']}, crossed {level['crossed']}, "
                 f"captures {level['captures_during']}, uncaptured {level['uncaptured_during']}")
+        add_floors(results, int(meta["max_batch_size"]), args.seconds)
     finally:
         _, results["server_log_tail"] = stop_server(server, log_path)
     stem = f"bench_fleet{'_' + args.label if args.label else ''}"
     save_json(results, args.out, stem)
     plot(results, args.out, stem)
+
+
+def add_floors(results: dict, max_batch: int, seconds: float) -> None:
+    """Each paced level's floor (fleet_model.py): its robots' schedule against an ideal batcher with
+    this run's device time per batch size (medians over every level's answers) and the lone robot's
+    host time (client wall minus device at batch 1, half before the device, half after)."""
+    measured: dict[int, list[float]] = {}
+    for level in results["levels"]:
+        for b, ms in level["device_ms_by_batch"].items():
+            measured.setdefault(int(b), []).append(ms)
+    measured.setdefault(1, []).append(results["batch1"]["device_p50_ms"])
+    device_ms = batch_times({b: statistics.median(v) for b, v in measured.items()}, max_batch)
+    host = results["batch1"]["client_wall_p50_ms"] - results["batch1"]["device_p50_ms"]
+    results["floor_inputs"] = {"device_ms": device_ms, "host_ms": host}
+    for level in results["levels"]:
+        if level["hz"]:
+            phases = [robot_phase(i, level["hz"]) for i in range(level["robots"])]
+            ideal = ideal_latencies(phases, level["hz"], seconds, device_ms, host / 2, host / 2)
+            level["floor"] = {k: v for k, v in percentiles(ideal).items() if k in ("p50_ms", "p99_ms", "max_ms")}
+            log(f"{level['robots']:3d} robots at {level['hz']:g} Hz: p99 {level['p99_ms']:.1f} ms against "
+                f"{level['floor']['p99_ms']:.1f} for an ideal batcher on these batch times; slowest 1%: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in level["slowest"].items()))
 
 
 def plot(results: dict, out: str, stem: str) -> None:

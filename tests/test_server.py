@@ -168,6 +168,7 @@ def test_openpi_client_metadata_and_infer(server, golden_policy):
         assert out["server_timing"]["infer_ms"] > 0
         assert ("prev_total_ms" in out["server_timing"]) == (seed == 2)  # reported from the 2nd reply on
         assert {"preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms"} <= set(out["policy_timing"])
+        assert out["policy_timing"]["batch_size"] == 1  # one client: every batch holds its request alone
 
 
 def test_openpi_client_aloha_keys_at_root_path(server, golden_policy):

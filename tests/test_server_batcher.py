@@ -178,6 +178,23 @@ def test_only_clients_due_back_are_waited_for():
     assert clients.due(2.0) == 0
 
 
+def test_a_paced_client_is_never_waited_for():
+    """A robot at 4 Hz comes back ~230 ms after each reply: even when that return is predicted right
+    now it is not waited for (its latency moves the prediction by more than the wait; bench_fleet run
+    177), while a back-to-back client with the same prediction is."""
+    from vlaserve.batcher import BACK_TO_BACK_S, ReturningClients
+
+    clients = ReturningClients()
+    clients.answered(["paced", "quick"], 0.0)
+    clients.arrived("paced", 0.230)
+    clients.arrived("quick", BACK_TO_BACK_S)  # the longest think time still back to back
+    clients.answered(["paced"], 1.0)
+    clients.answered(["quick"], 1.22)
+    assert clients.due(1.23) == 1  # both predicted back at 1.23: only the back-to-back one counts
+    clients.running(["paced"])
+    assert clients.due(1.23, running_ends=1.0) == 1
+
+
 def test_a_client_in_the_running_batch_is_due_when_its_answer_and_think_time_fit_the_wait():
     """Two robots back to back: robot a's request is on the device, robot b's batch is being formed
     just before a's ends. a (think time 4 ms) is waited for when its answer is predicted within

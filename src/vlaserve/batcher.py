@@ -59,17 +59,23 @@ _STOP = object()
 LAUNCH_MARGIN_S = 0.0005
 # How long a batch may wait for a client that is about to send its next request (its reply just went
 # out and it usually answers within its think time): without it, two robots back to back ping-pong at
-# batch size 1, each waiting out the other's whole batch. Only clients measured to come back that
-# soon are waited for, so a paced robot never adds this wait.
+# batch size 1, each waiting out the other's whole batch.
 COMPANY_WAIT_S = 0.005
+# Only clients that send again this soon after a reply (back to back: their own work and the network,
+# 3-7 ms in bench_fleet's levels) are waited for. A paced robot's think time is its period minus its
+# latency (a 4 Hz robot: ~230 ms), and its return predicted from it is off by however much its
+# latency moved: waiting for it delayed whole batches for robots that did not come, which turned
+# 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet run 177).
+BACK_TO_BACK_S = 0.010
 
 
 class ReturningClients:
-    """Each client's think time (reply sent -> next request), smoothed, and which clients are due back
-    within COMPANY_WAIT_S: answered ones, and ones in the batch on the device whose answer is
-    predicted soon enough (two robots back to back: the next batch is formed just before the running
-    one ends, and waiting ~its think time for the other robot turns two batches of 1 into one of 2).
-    Clients are connections (Request.client); None is not tracked."""
+    """Each client's think time (reply sent -> next request), smoothed, and which clients sending back
+    to back (think time at most BACK_TO_BACK_S) are due back within COMPANY_WAIT_S: answered ones, and
+    ones in the batch on the device whose answer is predicted soon enough (two robots back to back:
+    the next batch is formed just before the running one ends, and waiting ~its think time for the
+    other robot turns two batches of 1 into one of 2). Clients are connections (Request.client); None
+    is not tracked."""
 
     FORGET_S = 10.0  # a client silent this long has gone away
 
@@ -101,19 +107,18 @@ class ReturningClients:
                     self._running.discard(client)
 
     def due(self, now: float, running_ends: float | None = None) -> int:
-        """Clients not back yet whose think time says they return within COMPANY_WAIT_S of now (one
-        already overdue by more than that is idle, or gone, not about to send); with `running_ends`
-        (when the batch on the device is predicted to be answered), also its clients whose think
-        time brings them back by then + COMPANY_WAIT_S."""
+        """Back-to-back clients not back yet whose think time says they return within COMPANY_WAIT_S
+        of now (one already overdue by more than that is idle, or gone, not about to send); with
+        `running_ends` (when the batch on the device is predicted to be answered), also its
+        back-to-back clients whose think time brings them back by then + COMPANY_WAIT_S."""
         with self._lock:
             for client in [c for c, t in self._answered.items() if now - t > self.FORGET_S]:
                 del self._answered[client]
                 self._think.pop(client, None)
-            due = sum(1 for c, t in self._answered.items()
-                      if c in self._think and abs(t + self._think[c] - now) <= COMPANY_WAIT_S)
+            quick = {c: t for c, t in self._think.items() if t <= BACK_TO_BACK_S}
+            due = sum(1 for c, t in self._answered.items() if c in quick and abs(t + quick[c] - now) <= COMPANY_WAIT_S)
             if running_ends is not None:
-                due += sum(1 for c in self._running
-                           if c in self._think and running_ends + self._think[c] - now <= COMPANY_WAIT_S)
+                due += sum(1 for c in self._running if c in quick and running_ends + quick[c] - now <= COMPANY_WAIT_S)
             return due
 
 

@@ -65,8 +65,12 @@ def ms_since(start: float) -> float:
 
 
 def policy_timing(model_timings: Mapping[str, float]) -> dict[str, float]:
-    """OpenPI's `policy_timing`: the policy's stages (queue excluded)."""
-    return {k: float(model_timings[k]) for k in (*MODEL_STAGES, *HOST_STAGES) if k in model_timings}
+    """OpenPI's `policy_timing`: the policy's stages, and the size of the batch the request ran in
+    (the device time is that batch's)."""
+    timing = {k: float(model_timings[k]) for k in (*MODEL_STAGES, *HOST_STAGES) if k in model_timings}
+    if "batch_size" in model_timings:
+        timing["batch_size"] = int(model_timings["batch_size"])
+    return timing
 
 
 class Service:
