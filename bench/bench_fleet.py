@@ -36,7 +36,7 @@ import numpy as np
 
 from common import (bench_checkpoint, log, parser, percentiles, pyplot, robot_observation, save_json, save_png,
                     start_server, stop_server, wait_until_healthy)
-from fleet_model import batch_times, ideal_latencies
+from fleet_model import batch_times, ideal_latencies, other_fleets_p99
 
 # Batched and single answers of one robot differ by bf16 rounding (~1e-2 at full size); different robots'
 # answers differ by ~1 and more. An answer further than this from its own reference is wrong.
@@ -145,7 +145,8 @@ def slowest(answers: list[dict]) -> dict:
     """Where the slowest 1% of a level's answers (those at or above its p99) spent their time, mean ms:
     the server's stages (prepare, queue: waiting for the device and for the batch to form, run: the
     batch's launch, device time and completion, hand-back) and what lies outside them (decoding the
-    frame, encoding and sending the reply, the network and the client)."""
+    frame, encoding and sending the reply, the network and the client); and the device's idle time
+    before their batches, of those launched behind a running one (launch_gap_ms)."""
     if not answers:
         return {}
     cut = p99([a["latency_ms"] for a in answers])
@@ -154,6 +155,9 @@ def slowest(answers: list[dict]) -> dict:
     out = {k: statistics.fmean(a[k] for a in tail) for k in keys if all(a.get(k) is not None for a in tail)}
     if "infer_ms" in out:
         out["outside_ms"] = out["latency_ms"] - out["infer_ms"]
+    gaps = [a["launch_gap_ms"] for a in tail if a.get("launch_gap_ms") is not None]
+    if gaps:  # only batches launched behind a running one measure it
+        out["launch_gap_ms"] = statistics.fmean(gaps)
     out["answers"] = len(tail)
     return out
 
@@ -269,7 +273,8 @@ def main() -> None:
 def add_floors(results: dict, max_batch: int, seconds: float) -> None:
     """Each paced level's floor (fleet_model.py): its robots' schedule against an ideal batcher with
     this run's device time per batch size (medians over every level's answers) and the lone robot's
-    host time (client wall minus device at batch 1, half before the device, half after)."""
+    host time (client wall minus device at batch 1, half before the device, half after); and the same
+    batcher's p99 over 30 other fleets of that size and rate (their phases drawn at random)."""
     measured: dict[int, list[float]] = {}
     for level in results["levels"]:
         for b, ms in level["device_ms_by_batch"].items():
@@ -283,8 +288,13 @@ def add_floors(results: dict, max_batch: int, seconds: float) -> None:
             phases = [robot_phase(i, level["hz"]) for i in range(level["robots"])]
             ideal = ideal_latencies(phases, level["hz"], seconds, device_ms, host / 2, host / 2)
             level["floor"] = {k: v for k, v in percentiles(ideal).items() if k in ("p50_ms", "p99_ms", "max_ms")}
+            others = sorted(other_fleets_p99(level["robots"], level["hz"], seconds, device_ms, host / 2, host / 2))
+            level["floor_other_fleets"] = {"fleets": len(others), "p99_median_ms": statistics.median(others),
+                                           "p99_p90_ms": others[round(0.9 * (len(others) - 1))], "p99_max_ms": others[-1]}
             log(f"{level['robots']:3d} robots at {level['hz']:g} Hz: p99 {level['p99_ms']:.1f} ms against "
-                f"{level['floor']['p99_ms']:.1f} for an ideal batcher on these batch times; slowest 1%: "
+                f"{level['floor']['p99_ms']:.1f} for an ideal batcher on these batch times (other fleets' phases: "
+                f"median {level['floor_other_fleets']['p99_median_ms']:.1f}, worst "
+                f"{level['floor_other_fleets']['p99_max_ms']:.1f}); slowest 1%: "
                 + ", ".join(f"{k} {v:.1f}" for k, v in level["slowest"].items()))
 
 

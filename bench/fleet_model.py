@@ -15,6 +15,7 @@ Standard library only (bench_fleet.py's analysis, and its test).
 from __future__ import annotations
 
 import heapq
+import random
 
 
 def batch_times(measured_ms: dict[int, float], max_batch: int) -> list[float]:
@@ -63,3 +64,17 @@ def ideal_latencies(phases_s: list[float], hz: float, seconds: float, device_ms:
             if next_send < seconds:
                 heapq.heappush(arrivals, (next_send + host_in_ms / 1e3, robot, next_send))
     return latencies
+
+
+def other_fleets_p99(robots: int, hz: float, seconds: float, device_ms: list[float], host_in_ms: float,
+                     host_out_ms: float, fleets: int = 30, seed: int = 0) -> list[float]:
+    """The ideal batcher's p99 (nearest rank, ms) for `fleets` other fleets of `robots` robots at
+    `hz`, each robot's phase drawn uniformly from its period: how much of a level's floor is its
+    particular phases' luck."""
+    draw = random.Random(seed)
+    out = []
+    for _ in range(fleets):
+        phases = [draw.uniform(0.0, 1.0 / hz) for _ in range(robots)]
+        latencies = sorted(ideal_latencies(phases, hz, seconds, device_ms, host_in_ms, host_out_ms))
+        out.append(latencies[round(0.99 * (len(latencies) - 1))])
+    return out

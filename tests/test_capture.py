@@ -100,6 +100,9 @@ class _HostEvent:
     def synchronize(self):
         pass
 
+    def query(self) -> bool:
+        return True  # the CPU's work is done when launch returns
+
     def elapsed_time(self, other) -> float:
         return (other.t - self.t) * 1e3
 
@@ -389,3 +392,31 @@ def test_the_eager_runtime_is_ready_at_once(golden_policy):
     assert graphs == {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
                       "serving_after_s": 0.0, "all_captured_after_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0,
                       "kernels_compiled_ahead": 0, "compile_ahead_s": 0.0, "per_graph": [], "error": None}
+
+
+class StampedEvent:
+    """A CUDA event's timing interface over a fixed time stamp (ms)."""
+
+    def __init__(self, at_ms: float):
+        self.at_ms = at_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "StampedEvent") -> float:
+        return other.at_ms - self.at_ms
+
+
+def test_a_call_launched_behind_a_running_one_reports_the_device_gap_between_them():
+    """EventTimes: prefix and denoise from its own events; the gap from the call before's end to
+    this one's start only when the runner passed that end (it was still running at launch). A batch
+    run as parts reports its first part's gap (the later parts follow their own batch's)."""
+    from vlaserve.runtime.fast.graphs import EventTimes, PartTimes
+
+    alone = EventTimes(StampedEvent(10.0), StampedEvent(17.0), StampedEvent(24.0))
+    assert alone.read() == {"prefix_ms": 7.0, "denoise_ms": 7.0}
+    behind = EventTimes(StampedEvent(10.0), StampedEvent(17.0), StampedEvent(24.0), previous=StampedEvent(9.25))
+    assert behind.read() == {"prefix_ms": 7.0, "denoise_ms": 7.0, "launch_gap_ms": 0.75}
+    second = EventTimes(StampedEvent(24.5), StampedEvent(30.0), StampedEvent(36.0), previous=StampedEvent(24.0))
+    assert PartTimes([behind, second]).read() == {"prefix_ms": 12.5, "denoise_ms": 13.5, "launch_gap_ms": 0.75}
+    assert "launch_gap_ms" not in PartTimes([alone, second]).read()

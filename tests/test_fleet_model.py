@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from fleet_model import batch_times, ideal_latencies  # noqa: E402
+from fleet_model import batch_times, ideal_latencies, other_fleets_p99  # noqa: E402
 
 
 def test_robots_spread_apart_never_wait():
@@ -51,3 +51,14 @@ def test_batch_times_fill_unmeasured_sizes_from_the_measured_line():
     assert batch_times({2: 20.0}, 3) == [20.0, 20.0, 20.0]
     with pytest.raises(ValueError):
         batch_times({}, 2)
+
+
+def test_other_fleets_bracket_the_luck_of_phases():
+    # Two robots at 10 Hz, 10 ms a batch of one, 16 ms of two, no host time. Phases at least 10 ms
+    # apart never wait (p99 10 ms); closer ones make the later robot wait for the earlier one or share
+    # its batch (at most 10 + 10 = 20 ms, or 16 together). Every fleet's p99 lies in [10, 20] and
+    # the draws are repeatable.
+    p99s = other_fleets_p99(2, 10, 1.0, [10.0, 16.0], 0.0, 0.0, fleets=40, seed=3)
+    assert len(p99s) == 40 and all(10.0 - 1e-9 <= p <= 20.0 + 1e-9 for p in p99s)
+    assert min(p99s) == pytest.approx(10.0) and max(p99s) > 10.0
+    assert p99s == other_fleets_p99(2, 10, 1.0, [10.0, 16.0], 0.0, 0.0, fleets=40, seed=3)

@@ -27,8 +27,9 @@ from .workers import Workers
 MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
 # Where the host time around the device goes (OpenPI's policy_timing carries them too): checking and
 # preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
-# inference thread, and the hand-back of its result to the event loop.
-HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms")
+# inference thread, and the hand-back of its result to the event loop; and, for a batch launched
+# behind a running one, the device's time between the two (runtime/fast/graphs.py EventTimes).
+HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms", "launch_gap_ms")
 TICKET_LIFETIME_S = 60.0
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
 

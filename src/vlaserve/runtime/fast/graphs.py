@@ -48,15 +48,23 @@ class _Graph:
 
 @dataclass(frozen=True)
 class EventTimes:
-    """Stage times of one call from CUDA events recorded around its prefix and its Euler steps."""
+    """Stage times of one call from CUDA events recorded around its prefix and its Euler steps; with
+    `previous` (the call before's end, when this one was launched before it ended) also
+    `launch_gap_ms`: the device's time from that end to this call's start, which overlapped launches
+    should keep to the input copies (the batcher forms the next batch just before the running one
+    ends; a late launch leaves the device idle)."""
 
     start: torch.cuda.Event
     mid: torch.cuda.Event
     end: torch.cuda.Event
+    previous: torch.cuda.Event | None = None
 
     def read(self) -> dict[str, float]:
         self.end.synchronize()
-        return {"prefix_ms": self.start.elapsed_time(self.mid), "denoise_ms": self.mid.elapsed_time(self.end)}
+        times = {"prefix_ms": self.start.elapsed_time(self.mid), "denoise_ms": self.mid.elapsed_time(self.end)}
+        if self.previous is not None:
+            times["launch_gap_ms"] = self.previous.elapsed_time(self.start)
+        return times
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,11 @@ class PartTimes:
     parts: list[EventTimes]
 
     def read(self) -> dict[str, float]:
-        prefix = sum(part.read()["prefix_ms"] for part in self.parts)
+        first = self.parts[0].read()
+        prefix = first["prefix_ms"] + sum(part.read()["prefix_ms"] for part in self.parts[1:])
         total = self.parts[0].start.elapsed_time(self.parts[-1].end)
-        return {"prefix_ms": prefix, "denoise_ms": total - prefix}
+        gap = {"launch_gap_ms": first["launch_gap_ms"]} if "launch_gap_ms" in first else {}
+        return {"prefix_ms": prefix, "denoise_ms": total - prefix, **gap}
 
 
 class FastRunner:
@@ -115,6 +125,7 @@ class FastRunner:
         self.split_calls = 0  # batches run as several captured sizes while graphs are being captured
         self._sizes: set[int] = set()  # the batch sizes `capture` was given
         self._last_rows: list = []  # per item of the last call: (buffers, row), or its prefix entry copied
+        self._last_end: torch.cuda.Event | None = None  # the last call's end (EventTimes.previous)
 
     def _buffer_set(self, store: dict, b: int, token_len: int) -> dict:
         if (b, token_len) not in store:
@@ -367,6 +378,9 @@ class FastRunner:
         buf["noise"].copy_(noise)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
         start, mid, end = self._events()
+        # Still running: this call is launched behind it, and the gap between them is measured. (The
+        # caller holds the device lock: no capture is recording while the event is queried.)
+        previous = self._last_end if self._last_end is not None and not self._last_end.query() else None
         start.record()
         if prefix is not None:
             self.restore_prefix(buf, prefix)
@@ -380,8 +394,8 @@ class FastRunner:
         mid.record()
         out = self._denoise(buf, num_steps, static_rtc, graphs)
         end.record()
-        self._last = buf
-        return out, EventTimes(start, mid, end)
+        self._last, self._last_end = buf, end
+        return out, EventTimes(start, mid, end, previous)
 
     def _entry(self, buf, i: int) -> PrefixEntry:
         plen = self._prefix_len(buf)
