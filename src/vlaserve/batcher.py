@@ -61,8 +61,9 @@ LAUNCH_MARGIN_S = 0.0005
 # out and it usually answers within its think time): without it, two robots back to back ping-pong at
 # batch size 1, each waiting out the other's whole batch.
 COMPANY_WAIT_S = 0.005
-# Only clients that send again this soon after a reply (back to back: their own work and the network,
-# 3-7 ms in bench_fleet's levels) are waited for. A paced robot's think time is its period minus its
+# Only clients that send again this soon after a reply (back to back: ~4-5 ms in bench_fleet's levels of
+# 2 and 4 robots: the reply's hand-back and sending, the network and the client, the next frame's
+# decoding and preparing) are waited for. A paced robot's think time is its period minus its
 # latency (a 4 Hz robot: ~230 ms), and its return predicted from it is off by however much its
 # latency moved: waiting for it delayed whole batches for robots that did not come, which turned
 # 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet run 177).
