@@ -260,6 +260,23 @@ def test_each_capability_maps_to_its_matrix_entry(capability, expected):
     assert (target.capability if target else None) == expected
 
 
+@pytest.mark.parametrize("capability", sorted(targets.TARGETS))
+def test_every_launch_pins_fp_fusion(capability, monkeypatch):
+    """Every kernel launch of batches 1..8 (and the fp8 quantizer's) asks for FP fusion itself, so a
+    Triton whose default differs (3.10 turns it off; TRITON_DEFAULT_FP_FUSION) compiles the same
+    roundings the gates measured (kernels.launch_options)."""
+    recorded = launches(targets.TARGETS[capability])
+    kernels_py = {n for n, v in vars(kernels).items() if isinstance(v, JITFunction)} - HELPERS
+    assert {fn.__name__ for fn, _, _ in recorded} == kernels_py
+    assert all(kwargs.get("enable_fp_fusion") is True for _, _, kwargs in recorded)
+    from vlaserve.runtime.fast import fp8_kernels
+
+    quantizer: list = []
+    monkeypatch.setattr(fp8_kernels, "_quantize_rows", Recorder(fp8_kernels._quantize_rows, quantizer))
+    fp8_kernels.quantize_rows(meta(768, 1152))
+    assert [kwargs["enable_fp_fusion"] for _, _, kwargs in quantizer] == [True]
+
+
 def test_the_h200_keeps_its_table_and_features():
     # Bit-identical actions on sm90 need the committed table and TMA + PDL exactly as before.
     committed = {k: v for k, v in kernels.TUNING.items() if k not in ("pdl", "tma")}

@@ -17,6 +17,7 @@ import torch
 
 from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
+from vlaserve.runtime.fast.kernels import launch_options
 from vlaserve.runtime.fast.precompile import CompilePool, KernelRecorder, compile_workers
 
 triton = pytest.importorskip("triton")
@@ -39,6 +40,9 @@ class _Sm90:
 
     def get_active_torch_device(self):
         return torch.device("cpu")
+
+
+OPTIONS = launch_options()  # as the runtime launches its kernels (FP fusion pinned)
 
 
 @triton.jit
@@ -75,10 +79,10 @@ def test_a_recorded_launch_compiles_nothing_and_launches_nothing(sm90):
     x, y = torch.empty(64), torch.empty(64)
     recorder = KernelRecorder()
     with recorder.recording():
-        assert _copy[(1,)](x, y, 64, BLOCK=64) is None  # skipped: no kernel object, so nothing ran
-        _copy[(1,)](x, y, 64, BLOCK=128)
-        _copy[(1,)](x, y, 60, BLOCK=64)  # 60: not a multiple of 16, another specialization
-        _copy[(1,)](x, y, 64, BLOCK=64)  # the same specialization again: recorded once
+        assert _copy[(1,)](x, y, 64, BLOCK=64, **OPTIONS) is None  # skipped: no kernel object, so nothing ran
+        _copy[(1,)](x, y, 64, BLOCK=128, **OPTIONS)
+        _copy[(1,)](x, y, 60, BLOCK=64, **OPTIONS)  # 60: not a multiple of 16, another specialization
+        _copy[(1,)](x, y, 64, BLOCK=64, **OPTIONS)  # the same specialization again: recorded once
     assert len(recorder.recorded) == 3 and sm90 == [] and _cached(_copy) == 0
     assert triton.knobs.runtime.jit_cache_hook is None  # the hook is gone with the block
 
@@ -92,7 +96,7 @@ def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp
     recorder = KernelRecorder()
     with recorder.recording():
         for block in (16, 32, 64):
-            _copy[(1,)](x, y, 64, BLOCK=block)
+            _copy[(1,)](x, y, 64, BLOCK=block, **OPTIONS)
     assert set(recorder.recorded.values()) == {(__name__, "_copy")}
     with CompilePool(2, _Sm90().get_current_target()) as pool:
         assert pool.compile(recorder) == 3 and recorder.recorded == {}
@@ -100,7 +104,7 @@ def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp
     assert len(compiled) >= 3 and sm90 == []  # compiled by the workers, into this process's cache
     # the launches compile what the workers compiled, under the same keys: no entry is added
     for block in (16, 32, 64):
-        assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,)) is not None
+        assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,), **OPTIONS) is not None
     assert _cache_entries(tmp_path) == compiled and len(sm90) == 3
 
 
@@ -108,10 +112,10 @@ def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
     x, y = torch.empty(64), torch.empty(64)
     recorder, compiled = KernelRecorder(), []
     with recorder.recording():
-        other = threading.Thread(target=lambda: compiled.append(_copy.warmup(x, y, 64, BLOCK=32, grid=(1,))))
+        other = threading.Thread(target=lambda: compiled.append(_copy.warmup(x, y, 64, BLOCK=32, grid=(1,), **OPTIONS)))
         other.start()
         other.join()
-        _copy[(1,)](x, y, 64, BLOCK=64)
+        _copy[(1,)](x, y, 64, BLOCK=64, **OPTIONS)
     assert compiled[0] is not None and sm90 == ["_copy"]  # the other thread's compile ran, not skipped
     assert len(recorder.recorded) == 1
 
@@ -119,24 +123,25 @@ def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
 def test_a_kernel_the_workers_cannot_compile_is_left_to_its_warm_up(sm90, tmp_path, caplog):
     recorder = KernelRecorder()
     with recorder.recording():
-        _broken[(1,)](torch.empty(16), BLOCK=16)
+        _broken[(1,)](torch.empty(16), BLOCK=16, **OPTIONS)
     with CompilePool(1, _Sm90().get_current_target()) as pool, caplog.at_level("WARNING"):
         assert pool.compile(recorder) == 0
     assert "1 of 1 kernels did not compile" in caplog.text and "their warm-up compiles them" in caplog.text
     with pytest.raises(Exception, match="undefined_name"):  # where the launch raises, as without workers
-        _broken.warmup(torch.empty(16), BLOCK=16, grid=(1,))
+        _broken.warmup(torch.empty(16), BLOCK=16, grid=(1,), **OPTIONS)
 
 
 def test_workers_that_are_gone_leave_the_compiles_to_the_warm_ups(sm90, caplog):
     recorder = KernelRecorder()
     with recorder.recording():
-        _copy[(1,)](torch.empty(64), torch.empty(64), 64, BLOCK=64)
+        _copy[(1,)](torch.empty(64), torch.empty(64), 64, BLOCK=64, **OPTIONS)
     with CompilePool(1, _Sm90().get_current_target()) as pool:
         assert isinstance(pool._pool.submit(os._exit, 1).exception(), BrokenProcessPool)  # a worker died
         with caplog.at_level("WARNING"):
             assert pool.compile(recorder) == 0  # no error: serving goes on
     assert "the compile workers are gone" in caplog.text
-    assert _copy.warmup(torch.empty(64), torch.empty(64), 64, BLOCK=64, grid=(1,)) is not None  # compiled here
+    # compiled here
+    assert _copy.warmup(torch.empty(64), torch.empty(64), 64, BLOCK=64, grid=(1,), **OPTIONS) is not None
 
 
 def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...model.fp8 import E4M3, E4M3_MAX
-from .kernels import triton
+from .kernels import launch_options, triton
 
 if triton is not None:
     import triton.language as tl
@@ -121,5 +121,5 @@ def quantize_rows(x2d: torch.Tensor, static_scale: torch.Tensor | None = None,
     static = scale if static_scale is None else static_scale
     _quantize_rows[(triton.cdiv(m, config.rows),)](
         x2d, q, scale, static, m, k, x2d.stride(0), STATIC=static_scale is not None, ROWS=config.rows,
-        BLOCK=config.block, ONE_PASS=config.one_pass, num_warps=config.num_warps)
+        BLOCK=config.block, ONE_PASS=config.one_pass, num_warps=config.num_warps, **launch_options())
     return q, scale

@@ -481,9 +481,13 @@ def _rows_descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, x.shape[2]])
 
 
-def _pdl_launch(pdl: bool) -> dict:
-    """The launch option a PDL kernel needs (only passed when on: older Triton has no such option)."""
-    return {"launch_pdl": True} if pdl else {}
+def launch_options(pdl: bool = False) -> dict:
+    """Every launch's options. FP fusion pinned on: Triton contracts a * b + c into one FMA (one rounding,
+    not two) by default, and every gate of these kernels' bits (golden cases, bit-identical actions) was
+    measured so; Triton 3.9 warns that the default turns off in 3.10, and TRITON_DEFAULT_FP_FUSION in
+    the environment moves it too (TRITON_FORCE_DISABLE_FP_FUSION, a debugging switch, still wins). PDL's
+    option only when on (older Triton has no such option)."""
+    return {"enable_fp_fusion": True, **({"launch_pdl": True} if pdl else {})}
 
 
 EXPERT_GEMMS = ("qkv", "o", "gate_up", "down")
@@ -545,7 +549,7 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
     return out
 
 
@@ -566,7 +570,7 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
         BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
     return out
 
 
@@ -582,7 +586,7 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
                                     scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
                                     HAS_SHIFT=shift is not None, PDL=pdl,
-                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, **_pdl_launch(pdl))
+                                    num_warps=4 if h2d.shape[1] <= 1024 else 8, **launch_options(pdl))
     return y
 
 
@@ -595,14 +599,15 @@ def residual_layer_norm(h2d, weight, bias, eps: float, delta=None) -> torch.Tens
     y = torch.empty_like(h2d)
     n = h2d.shape[1]
     _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, n, eps,
-                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, num_warps=4)
+                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, num_warps=4,
+                                          **launch_options())
     return y
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU (tanh form) of a contiguous tensor, in place: SigLIP's MLP between fc1 and fc2."""
     block = 2048
-    _gelu_flat[(triton.cdiv(x.numel(), block),)](x, x, x.numel(), BLOCK=block, num_warps=4)
+    _gelu_flat[(triton.cdiv(x.numel(), block),)](x, x, x.numel(), BLOCK=block, num_warps=4, **launch_options())
     return x
 
 
@@ -611,7 +616,7 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
     m = two_m // 2
     out = torch.empty(r, m, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, num_warps=4)
+    _geglu_rows[(r, triton.cdiv(m, block))](gate_up, out, m, BLOCK=block, num_warps=4, **launch_options())
     return out
 
 
@@ -639,11 +644,11 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
                              BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-                             num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
+                             num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, q if slots is None else slots, r, tokens, HQ=num_heads,
                     SPLITS=1, HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), SLOTS=slots is not None, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+                    q_batch_stride=q.stride(0), SLOTS=slots is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return q
 
 
@@ -678,7 +683,7 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     pdl, tma = pdl_enabled(), tma_enabled() and d <= 256 and (d * q.element_size()) % 16 == 0
     sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
                _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
-    launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl_launch(pdl))
+    launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
     scale2 = d**-0.5 * 1.4426950408889634  # the softmax scale times log2 e
     if splits == 1:
         _mqa_split[grid](*sources, bias, out, out, nq, tokens, t, t_split, scale2,
@@ -693,7 +698,7 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     merge = TUNING["merge"]
     _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
                                                      ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],
-                                                     **_pdl_launch(pdl))
+                                                     **launch_options(pdl))
     return out
 
 
@@ -722,4 +727,5 @@ def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_o
         x if w_out is None else w_out, x if b_out is None else b_out, x if w_in is None else w_in,
         x if b_in is None else b_in, prev, weights, guidance, r, horizon, dt, t, W=width, A=a, BLOCK_R=block_r,
         BLOCK_K=cfg["block_k"], BLOCK_W=block_w, W_PER=width // chunks, HAS_OUT=y is not None,
-        HAS_IN=h is not None, HAS_RTC=rtc is not None, UNROLL=cfg.get("unroll", 1), PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+        HAS_IN=h is not None, HAS_RTC=rtc is not None, UNROLL=cfg.get("unroll", 1), PDL=pdl, num_warps=4,
+        **launch_options(pdl))
