@@ -288,9 +288,9 @@ def add_floors(results: dict, max_batch: int, seconds: float) -> None:
             phases = [robot_phase(i, level["hz"]) for i in range(level["robots"])]
             ideal = ideal_latencies(phases, level["hz"], seconds, device_ms, host / 2, host / 2)
             level["floor"] = {k: v for k, v in percentiles(ideal).items() if k in ("p50_ms", "p99_ms", "max_ms")}
-            others = sorted(other_fleets_p99(level["robots"], level["hz"], seconds, device_ms, host / 2, host / 2))
-            level["floor_other_fleets"] = {"fleets": len(others), "p99_median_ms": statistics.median(others),
-                                           "p99_p90_ms": others[round(0.9 * (len(others) - 1))], "p99_max_ms": others[-1]}
+            others = percentiles(other_fleets_p99(level["robots"], level["hz"], seconds, device_ms, host / 2, host / 2))
+            level["floor_other_fleets"] = {"fleets": others["n"], "p99_median_ms": others["p50_ms"],
+                                           "p99_p90_ms": others["p90_ms"], "p99_max_ms": others["max_ms"]}
             log(f"{level['robots']:3d} robots at {level['hz']:g} Hz: p99 {level['p99_ms']:.1f} ms against "
                 f"{level['floor']['p99_ms']:.1f} for an ideal batcher on these batch times (other fleets' phases: "
                 f"median {level['floor_other_fleets']['p99_median_ms']:.1f}, worst "
