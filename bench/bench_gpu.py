@@ -13,8 +13,8 @@ while each batch size's default path is timed. Writes bench_gpu.json and .png.
 --golden-only: the golden cases of both families on the device (eager: every recorded tensor; fast
 path: the actions), the prefix-cache hit against its miss, two batches enqueued back to back against
 each alone, and a prompt bucket served from graphs captured at warm-up; writes golden_gpu.json.
---actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8 (with
-p50 times); --compare-actions FILE compares them bit for bit with a file saved on another tree:
+--actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8, without
+and with RTC guidance (with p50 times); --compare-actions FILE compares them bit for bit with a file saved on another tree:
 the gate of a refactor that must not change what is computed.
 --precision fp8 adds the same model with SigLIP's and the prefix's linear layers in fp8 (per-token
 activation scales), served by the fast path: time per call and per stage at the default bucket next
@@ -43,6 +43,7 @@ from vlaserve.checkpoint.weights import to_lerobot_name
 from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, RuntimeConfig
 from vlaserve.model.fp8 import E4M3, convert_to_fp8
 from vlaserve.model.pi05 import Pi05Model
+from vlaserve.model.rtc import RTCGuidance
 from vlaserve.precision import cosines
 from vlaserve.runtime.runner import EagerRunner
 from vlaserve.types import ModelInputs
@@ -337,23 +338,41 @@ def golden_suite(device: str) -> dict:
 
 def served_actions(smoke: bool, device: str) -> dict:
     """--actions: the served runner's actions on the random model (seed 0) for make_inputs(b, seed=b)
-    at batch 1, 2, 4, 8 (--smoke: 1, 2), and their p50 ms: {"actions": {b: tensor}, "p50_ms": {b: ms}}
-    (the format of bench/fast_path_actions.py at 0bdbea4, so a file saved there compares too)."""
+    at batch 1, 2, 4, 8 (--smoke: 1, 2), without and with RTC guidance (drawn from seed b), and
+    their p50 ms: {"actions": {b: tensor}, "rtc_actions": {b: tensor}, "p50_ms": {b: ms}} (files
+    saved before RTC was added, as bench/fast_path_actions.py's at 0bdbea4, compare their part)."""
     model, policy_config = bench_model(smoke, device)
     runner = next(iter(runners(model, policy_config, device, "cublas", "triton").values()))
-    out, times = {}, {}
+    out, rtc_out, times = {}, {}, {}
     for b in (1, 2) if smoke else (1, 2, 4, 8):
         inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b, device=device)
         out[b] = sample(runner, inputs, noise)[0].cpu()
+        rtc_out[b] = sample(runner, inputs, noise, rtc=rtc_guidance(b, seed=b, device=device))[0].cpu()
         times[b] = time_ms(lambda: sample(runner, inputs, noise), device, **TIMING)["p50_ms"]
         log(f"b={b}: p50 {times[b]:.2f} ms")
-    return {"actions": out, "p50_ms": times}
+    return {"actions": out, "rtc_actions": rtc_out, "p50_ms": times}
+
+
+def rtc_guidance(b: int, seed: int, device: str) -> RTCGuidance:
+    """RTC's inputs for a batch: a previous chunk, its per-step weights in [0, 1], a max weight of 5."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    prev = torch.randn(b, HORIZON, 32, device=device, generator=g)
+    weights = torch.rand(b, HORIZON, device=device, generator=g)
+    return RTCGuidance(prev, weights, torch.full((b,), 5.0, device=device))
 
 
 def compare_actions(now: dict, before: dict) -> dict:
-    return {b: {"bit_identical": bool(torch.equal(now["actions"][b], before["actions"][b])),
-                "max_abs_diff": maxdiff(now["actions"][b], before["actions"][b]),
-                "p50_ms_before": before["p50_ms"][b], "p50_ms_now": now["p50_ms"][b]} for b in now["actions"]}
+    """Bit for bit, per batch size: the actions, and with RTC where the saved file has them."""
+    def same(a: torch.Tensor, b: torch.Tensor) -> dict:
+        return {"bit_identical": bool(torch.equal(a, b)), "max_abs_diff": maxdiff(a, b)}
+
+    out = {}
+    for b in now["actions"]:
+        out[b] = {**same(now["actions"][b], before["actions"][b]),
+                  "p50_ms_before": before["p50_ms"][b], "p50_ms_now": now["p50_ms"][b]}
+        if b in before.get("rtc_actions", {}):
+            out[b]["rtc"] = same(now["rtc_actions"][b], before["rtc_actions"][b])
+    return out
 
 
 def policy_wall_time(model, cfg, engine, device: str) -> dict:

@@ -19,7 +19,7 @@ from vlaserve.config import RuntimeConfig, graph_batch_sizes
 from vlaserve.errors import ConfigError, NotServing
 from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.capture import GraphKey, capture_plan, route
-from vlaserve.runtime.fast.graphs import FastRunner
+from vlaserve.runtime.fast.graphs import WARMUP_STEPS, FastRunner
 from vlaserve.runtime.runner import Runtime
 from vlaserve.types import ModelInputs
 
@@ -209,8 +209,9 @@ def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
     assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
     for key in batch1:
         runner.capture(key, steps)
-    assert runner.warm_up_runs == 6  # the warm-ups still run (now without compiling)
-    assert runner.precompile(batch1, steps, _EmptyPool()) == 0 and runner.warm_up_runs == 6
+    # the warm-ups still run (now without compiling), and SigLIP's attention at 3, 2 and 1 images
+    assert runner.warm_up_runs == 6 + len(config.cameras)
+    assert runner.precompile(batch1, steps, _EmptyPool()) == 0 and runner.warm_up_runs == 6 + len(config.cameras)
 
 
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
@@ -231,16 +232,26 @@ def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, ba
 def test_one_warm_up_per_kernel_signature(golden_policy):
     config = golden_policy.config
     plan = capture_plan((1, 2), (96, config.max_token_len), len(config.cameras))
-    counts = {}
+    counts, steps_run = {}, []
     for warmups in ("per_kernel", "per_graph"):
         runner = SlowCaptureRunner(golden_policy, warmups=warmups)
+        attention = runner.fast.warm_vision_attention
+        images: list[int] = []
+        runner.fast.warm_vision_attention = lambda n: (images.append(n), attention(n))
+        schedule = runner.fast.schedule
+        runner.fast.schedule = lambda n: (steps_run.append((warmups, n)), schedule(n))[1]
         for key in plan:
             warm_s, capture_s = runner.capture(key, config.num_inference_steps)
             assert warm_s >= 0 and capture_s > 0
-        counts[warmups] = runner.warm_up_runs
+        counts[warmups] = runner.warm_up_runs - len(images)
         assert runner.captures == len(plan) == 20
+        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras)
+        assert images == [3, 2, 1, 6, 4]
     # per (batch, length): the prefix once, the Euler steps once without and once with RTC
     assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
+    # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)
+    assert {n for w, n in steps_run if w == "per_kernel"} == {WARMUP_STEPS, config.num_inference_steps}
+    assert {n for w, n in steps_run if w == "per_graph"} == {config.num_inference_steps}
 
 
 # --- Runtime: the states, and requests that arrive before batch 1 is captured ------------------

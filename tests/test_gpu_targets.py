@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, RuntimeConfig
+from vlaserve.checkpoint.weights import apply_dtype_policy
+from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, ModelConfig, RuntimeConfig
 from vlaserve.family import load_policy_config
 from vlaserve.errors import ConfigError
 from vlaserve.runtime.fast import cute, flash, kernels, targets
@@ -372,3 +373,52 @@ def test_a_jetson_budget_is_its_free_memory_shared_with_pinned_layers(monkeypatc
                              activations=2 * GIB, headroom=GIB, host_pinned=6 * GIB)
     assert offload.total == 15 * GIB
     assert budget.fits(offload) is not integrated
+
+
+def euler_compiles(model, b: int, steps: int, with_rtc: bool) -> set:
+    """The distinct compiles (Triton's specializations) of `steps` Euler steps at batch b on an H200."""
+    from vlaserve.runtime.fast.model import StaticRTC
+    from vlaserve.runtime.fast.pi0 import fast_model
+
+    recorded: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "available", lambda: True)
+        fast = fast_model(model)
+        for name, value in vars(kernels).items():
+            if isinstance(value, JITFunction):
+                patch.setattr(kernels, name, Recorder(value, recorded))
+        cache = -(-(PREFIX_LEN + HORIZON) // 64) * 64
+        k_cache = meta(VLM.depth, b, cache, VLM.head_dim)
+        rtc = StaticRTC.allocate(b, HORIZON, ACTION_DIM, steps, "meta") if with_rtc else None
+        pad = torch.ones(b, PREFIX_LEN + (1 if hasattr(model, "state_proj") else 0), dtype=torch.bool, device="meta")
+        fast.denoise(pad, meta(b, HORIZON, ACTION_DIM, dtype=torch.float32), fast.schedule(steps), k_cache,
+                     torch.empty_like(k_cache), rtc)
+    compiles = set()
+    for fn, args, kwargs in recorded:
+        source, options = specialize(fn, args, kwargs, 90)
+        compiles.add((fn.__name__, repr(source.signature), repr(source.constants), repr(source.attrs),
+                      repr(sorted(options.__dict__.items()))))
+    return compiles
+
+
+def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
+    """A capture's warm-up runs WARMUP_STEPS Euler steps, not the call's: it must launch every
+    specialization the call launches (pointer alignments and integer divisibility from Triton's own
+    binder; meta tensors' addresses carry their offsets), or the capture would compile inside the
+    device lock. One step would not do: Pi0.5's fused action step between two steps is missed."""
+    from vlaserve.model.pi0 import Pi0Model
+    from vlaserve.model.pi05 import Pi05Model
+    from vlaserve.runtime.fast.graphs import WARMUP_STEPS
+
+    config = ModelConfig.full_size()
+    use_launch_table(targets.TARGETS[90])
+    with torch.device("meta"):
+        models = (Pi05Model(config), Pi0Model(config))
+    for model in models:
+        apply_dtype_policy(model, torch.bfloat16)
+        for b in BATCHES:
+            for with_rtc in (False, True):
+                call = euler_compiles(model, b, 10, with_rtc)
+                assert euler_compiles(model, b, WARMUP_STEPS, with_rtc) == call, (type(model).__name__, b, with_rtc)
+    one_step = euler_compiles(models[0], 1, 1, False)
+    assert one_step < euler_compiles(models[0], 1, 10, False)

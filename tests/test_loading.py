@@ -88,3 +88,29 @@ def test_serve_reads_a_local_checkpoint_ahead_only_for_the_mmap_loader(golden):
     assert read_checkpoint_ahead(serve_options({"checkpoint": "owner/model"})) is None  # a hub id
     # runai-model-streamer reads in parallel itself
     assert read_checkpoint_ahead(serve_options({"checkpoint": checkpoint, "weights_loader": "runai-streamer"})) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_copy_moves_every_byte_and_casts_as_a_direct_move(golden, dtype):
+    """The CUDA loader's path (two staging buffers, chunked copies, the cast after the move), run on
+    the CPU with 4 KiB chunks, so tensors span many chunks, end mid-chunk, and the buffers alternate:
+    every golden tensor comes out bit for bit as `.to(dtype)` gives it (bf16 of an fp32 tensor: one
+    round to nearest even either way)."""
+    from safetensors.torch import load_file
+
+    from vlaserve.checkpoint.weights import StagedCopy
+
+    tensors = {}
+    for path in checkpoint_files(golden / "checkpoint"):
+        tensors.update(load_file(path))
+    tensors["odd"] = torch.randn(4097 * 3 + 5)  # not a whole number of chunks in any dtype
+    copy = StagedCopy(torch.device("cpu"), chunk_bytes=4096, staged=True)
+    assert copy.staged and max(t.numel() * t.element_size() for t in tensors.values()) > 8 * 4096
+    for name, tensor in tensors.items():
+        moved = copy(tensor, dtype)
+        expected = tensor.to(dtype)
+        assert moved.dtype == dtype and moved.shape == tensor.shape, name
+        assert torch.equal(moved.view(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
+    copy.finish()
+    direct = StagedCopy(torch.device("cpu"))
+    assert not direct.staged and direct(tensors["odd"], torch.float32) is tensors["odd"]  # no copy on the CPU

@@ -30,16 +30,33 @@ from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
 from .precompile import CompilePool, KernelRecorder
 
+# A warm-up runs the Euler loop for this many steps, not the call's: every step launches the same
+# kernel specializations except the first and the last (Pi0.5's fused action step with and without
+# the next step's input), so two steps compile and load everything the call's ten do
+# (tests/test_gpu_targets.py checks it for every batch size, both families, with and without RTC)
+# at a fifth of the host work: ~0.12 s a warm-up on an H200 (run 182).
+WARMUP_STEPS = 2
+
 
 class _Graph:
     """One captured call. A capture records and runs nothing: the kernels it records must have run
     before (a warm-up compiles them), and no other thread may touch the device meanwhile (the
-    caller holds the device lock)."""
+    caller holds the device lock).
+
+    Captured with CUDAGraph.capture_begin / capture_end, not the `torch.cuda.graph` context: that
+    context first synchronizes the whole device and empties the allocator's cache (device and
+    pinned host), before every graph. Beside serving that waited for the batch in flight, and
+    handed every cached block back to the driver for the next batch and warm-up to allocate
+    anew; the runtime empties the cache once, when the plan is done (runtime/runner.py)."""
 
     def __init__(self, fn, pool, stream: torch.cuda.Stream):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.output = fn()
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(pool)
+            try:
+                self.output = fn()
+            finally:
+                self.graph.capture_end()
 
     def replay(self):
         self.graph.replay()
@@ -216,8 +233,8 @@ class FastRunner:
     def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
         """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this
         kernel signature has not run: the prefix once per batch size and length, at the plan's
-        first camera layout; the Euler steps once per batch size, length and RTC) runs on scratch
-        buffers, so a graph served meanwhile never reads half-written inputs; the capture records
+        first camera layout; the Euler steps once per batch size, length and RTC, WARMUP_STEPS of
+        them) runs on scratch buffers, so a graph served meanwhile never reads half-written inputs; the capture records
         on the static buffers. Both hold the device lock: no other thread runs CUDA or Triton work
         while a kernel compiles or a graph records (with the warm-up outside the lock, the first
         H200 test of serving beside captures stalled: run 150). Served batches wait for it: seconds
@@ -235,13 +252,31 @@ class FastRunner:
                 return 0.0, 0.0
             runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
             if runs:
-                self._warm_up(make(*self._scratch_of(b, length, num_steps)), runs)
+                warm_steps = self._warm_up_steps(num_steps)
+                warm = self._call_of(key, warm_steps)[3]
+                self._warm_up(warm(*self._scratch_of(b, length, warm_steps)), runs)
                 self._warmed.add(signature)
+            if key.is_prefix:
+                self._warm_vision_attention(b * key.slots)
             warmed = time.perf_counter()
             buf, rtc = self.buffers(b, length), self._rtc_buffers(b, length, num_steps)
             graphs[graph_key] = self._new_graph(make(buf, rtc))
             self.captures += 1
             return warmed - started, time.perf_counter() - warmed
+
+    def _warm_vision_attention(self, images: int) -> None:
+        """SigLIP's attention at this image count, once, before the first capture that calls it. A
+        camera layout's prefix warms up at the plan's first layout only (the same kernels), but torch's
+        scaled_dot_product_attention, meeting a shape for the first time inside a capture, took
+        ~2.4 ms a call there (27 a prefix: 0.07-0.10 s of a fewer-camera graph's capture, at every
+        prompt length) and a fraction of that once an eager call at the shape had run (run 183)."""
+        if ("vision attention", images) not in self._warmed:
+            self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
+            self._warmed.add(("vision attention", images))
+
+    def _warm_up_steps(self, num_steps: int) -> int:
+        """The Euler steps a warm-up runs (WARMUP_STEPS; every step under the older "per_graph")."""
+        return num_steps if self.warmups == "per_graph" else min(num_steps, WARMUP_STEPS)
 
     def _call_of(self, key: GraphKey, num_steps: int):
         """-> (its graph store, its key there, its warm-up signature, make(buffers, rtc) -> the call)."""
@@ -277,11 +312,12 @@ class FastRunner:
             if key.is_prefix and self.fast.layer_stream is not None:
                 continue
             with self._device_lock:
-                graphs, graph_key, signature, make = self._call_of(key, num_steps)
+                graphs, graph_key, signature, _ = self._call_of(key, num_steps)
                 if graph_key in graphs or signature in self._warmed or signature in ran:
                     continue
                 ran.add(signature)
-                call = make(*self._scratch_of(key.batch, key.length, num_steps))
+                warm_steps = self._warm_up_steps(num_steps)
+                call = self._call_of(key, warm_steps)[3](*self._scratch_of(key.batch, key.length, warm_steps))
                 with recorder.recording():
                     self._warm_up(call, 1)
         return pool.compile(recorder)

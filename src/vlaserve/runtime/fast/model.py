@@ -148,6 +148,14 @@ class FastPi05:
         patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(n, (height // p) * (width // p), c * p * p)
         return F.linear(patches, conv.weight.view(conv.weight.shape[0], -1), conv.bias)
 
+    def warm_vision_attention(self, images: int) -> None:
+        """SigLIP's attention over `images` images of zeros, outside any capture (FastRunner.capture's
+        warm-up: torch's attention is slow the first time it meets a shape inside a capture)."""
+        d = self.model.vision.dims
+        qkv = torch.zeros(images * d.num_patches, 3 * d.num_heads * d.head_dim, dtype=self.dtype,
+                          device=self.model.action_in_proj.weight.device)
+        self._vision_attention(qkv, images, d.num_patches)
+
     def _vision_attention(self, qkv: torch.Tensor, n: int, p: int) -> torch.Tensor:
         d = self.model.vision.dims
         q, k, v = qkv.view(n, p, 3, d.num_heads, d.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
@@ -417,8 +425,13 @@ class StaticRTC:
 
     @staticmethod
     def allocate(b: int, horizon: int, action_dim: int, steps: int, device) -> "StaticRTC":
+        """Each step's guidance row starts on a 16-byte boundary (rows of a multiple of 4 floats): an
+        address's 16-byte alignment is part of a Triton kernel's specialization, so the fused action
+        step that reads guidance[step] is then the same kernel at every step, and a warm-up of
+        graphs.WARMUP_STEPS steps launches every kernel a call's steps do."""
+        row = -(-b // 4) * 4
         return StaticRTC(torch.zeros(b, horizon, action_dim, device=device), torch.zeros(b, horizon, device=device),
-                         torch.zeros(steps, b, device=device))
+                         torch.zeros(steps, row, device=device)[:, :b])
 
     def fill(self, rtc: RTCGuidance, times: list[float]) -> None:
         self.prev.copy_(rtc.prev)
