@@ -14,8 +14,8 @@ while each batch size's default path is timed. Writes bench_gpu.json and .png.
 path: the actions), the prefix-cache hit against its miss, two batches enqueued back to back against
 each alone, and a prompt bucket served from graphs captured at warm-up; writes golden_gpu.json.
 --actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8, without
-and with RTC guidance (with p50 times); --compare-actions FILE compares them bit for bit with a file saved on another tree:
-the gate of a refactor that must not change what is computed.
+and with RTC guidance (with p50 times); --compare-actions FILE compares them bit for bit with a file
+saved on another tree: the gate of a refactor that must not change what is computed.
 --precision fp8 adds the same model with SigLIP's and the prefix's linear layers in fp8 (per-token
 activation scales), served by the fast path: time per call and per stage at the default bucket next
 to bf16's, the prefix's TFLOP/s against the fp8 GEMM ceiling measured in the same run, weight bytes,

@@ -231,15 +231,14 @@ class FastRunner:
 
     @torch.no_grad()
     def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
-        """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this
-        kernel signature has not run: the prefix once per batch size and length, at the plan's
-        first camera layout; the Euler steps once per batch size, length and RTC, WARMUP_STEPS of
-        them) runs on scratch buffers, so a graph served meanwhile never reads half-written inputs; the capture records
-        on the static buffers. Both hold the device lock: no other thread runs CUDA or Triton work
-        while a kernel compiles or a graph records (with the warm-up outside the lock, the first
-        H200 test of serving beside captures stalled: run 150). Served batches wait for it: seconds
-        where a kernel compiles, tens of ms with a warm compile cache. A batch size's scratch
-        buffers go when the plan moves to another size."""
+        """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this kernel signature has
+        not run: the prefix once per batch size and length, at the plan's first camera layout; the Euler steps
+        once per batch size, length and RTC, WARMUP_STEPS of them) runs on scratch buffers, so a graph served
+        meanwhile never reads half-written inputs; the capture records on the static buffers. Both hold the
+        device lock: no other thread runs CUDA or Triton work while a kernel compiles or a graph records (with
+        the warm-up outside the lock, the first H200 test of serving beside captures stalled: run 150). Served
+        batches wait for it: seconds where a kernel compiles, tens of ms with a warm compile cache. A batch
+        size's scratch buffers go when the plan moves to another size."""
         self.frozen = True
         self._sizes.add(key.batch)
         if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
