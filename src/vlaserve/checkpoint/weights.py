@@ -240,7 +240,7 @@ class StagedCopy:
         self.device, self.chunk_bytes = device, chunk_bytes
         cuda = device.type == "cuda"
         self.staged = cuda if staged is None else staged
-        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._stream = torch.cuda.Stream(device) if cuda and self.staged else None
         self._buffers = ([torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
                          if self.staged else [])
         self._done: list = [None, None]  # per buffer: the event of its last copy to the device

@@ -251,9 +251,7 @@ class FastRunner:
                 return 0.0, 0.0
             runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
             if runs:
-                warm_steps = self._warm_up_steps(num_steps)
-                warm = self._call_of(key, warm_steps)[3]
-                self._warm_up(warm(*self._scratch_of(b, length, warm_steps)), runs)
+                self._warm_up(self._warm_up_call(key, num_steps), runs)
                 self._warmed.add(signature)
             if key.is_prefix:
                 self._warm_vision_attention(b * key.slots)
@@ -275,9 +273,11 @@ class FastRunner:
             self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
             self._warmed.add(("vision attention", images))
 
-    def _warm_up_steps(self, num_steps: int) -> int:
-        """The Euler steps a warm-up runs (WARMUP_STEPS; every step under the older "per_graph")."""
-        return num_steps if self.warmups == "per_graph" else min(num_steps, WARMUP_STEPS)
+    def _warm_up_call(self, key: GraphKey, num_steps: int):
+        """The call a warm-up of `key` runs: on scratch buffers, with WARMUP_STEPS Euler steps (every
+        step under the older "per_graph")."""
+        steps = num_steps if self.warmups == "per_graph" else min(num_steps, WARMUP_STEPS)
+        return self._call_of(key, steps)[3](*self._scratch_of(key.batch, key.length, steps))
 
     def _call_of(self, key: GraphKey, num_steps: int):
         """-> (its graph store, its key there, its warm-up signature, make(buffers, rtc) -> the call)."""
@@ -317,8 +317,7 @@ class FastRunner:
                 if graph_key in graphs or signature in self._warmed or signature in ran:
                     continue
                 ran.add(signature)
-                warm_steps = self._warm_up_steps(num_steps)
-                call = self._call_of(key, warm_steps)[3](*self._scratch_of(key.batch, key.length, warm_steps))
+                call = self._warm_up_call(key, num_steps)
                 with recorder.recording():
                     self._warm_up(call, 1)
         return pool.compile(recorder)
