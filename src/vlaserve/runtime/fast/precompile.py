@@ -27,7 +27,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 log = logging.getLogger(__name__)
@@ -88,22 +88,11 @@ class CompilePool:
         emptied). A kernel that fails here is left to its warm-up, which compiles it again and
         raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
-        return self.wait(self.submit(recorded))
-
-    def submit(self, recorded: dict[str, tuple[str, str]]) -> list[Future]:
-        """Starts compiling `recorded` (a KernelRecorder's record) -> its jobs, for `wait`."""
         try:
-            return [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
+            jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
-            return []
-
-    def run(self, fn, *args) -> Future:
-        """fn(*args) in a worker (both picklable; the worker has no GPU, its Triton a stand-in driver)."""
-        return self._pool.submit(fn, *args)
-
-    def wait(self, jobs: list[Future]) -> int:
-        """Waits for `submit`'s jobs -> how many compiled (failures are logged, for the warm-ups)."""
+            return 0
         failed = [job.exception() for job in jobs if job.exception() is not None]
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
