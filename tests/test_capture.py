@@ -26,23 +26,17 @@ from vlaserve.types import ModelInputs
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def test_plan_captures_batch_1_and_the_largest_sizes_common_call_first_then_the_rest_largest_first():
+def test_plan_captures_batch_1_first_then_the_rest_largest_first():
     plan = capture_plan(tuple(range(1, 9)), (96, 200), 3)
-    # the common call (default bucket, every camera, no RTC) of a lone robot, then of a fleet
-    assert [str(k) for k in plan[:4]] == ["b1 L96 cams3", "b1 L96 denoise", "b8 L96 cams3", "b8 L96 denoise"]
-    rest_of_one = ["b1 L96 cams2", "b1 L96 cams1", "b1 L96 rtc",
-                   "b1 L200 cams3", "b1 L200 denoise", "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
-    assert [str(k) for k in plan[4:12]] == rest_of_one
+    one = ["b1 L96 cams3", "b1 L96 denoise", "b1 L96 cams2", "b1 L96 cams1", "b1 L96 rtc",
+           "b1 L200 cams3", "b1 L200 denoise", "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
+    assert [str(k) for k in plan[:10]] == one
     # then the largest size, longest prompt first (the shared pool's order), down to 2
-    assert [str(k) for k in plan[12:17]] == ["b8 L200 cams3", "b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1",
+    assert [str(k) for k in plan[10:15]] == ["b8 L200 cams3", "b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1",
                                              "b8 L200 rtc"]
-    assert [str(k) for k in plan[17:20]] == ["b8 L96 cams2", "b8 L96 cams1", "b8 L96 rtc"]
-    later = [(k.batch, -k.length) for k in plan[12:]]
+    later = [(k.batch, -k.length) for k in plan[10:]]
     assert later == sorted(later, key=lambda t: (-t[0], t[1]))
     assert [k.batch for k in plan[-5:]] == [2] * 5 and plan[-1].length == 96
-    # one size: its graphs in the order above; the offload profile keeps the order of what is left
-    assert [str(k) for k in capture_plan((1,), (200,), 2)] == ["b1 L200 cams2", "b1 L200 denoise", "b1 L200 cams1",
-                                                                "b1 L200 rtc"]
 
 
 @pytest.mark.parametrize("mode,limit,lengths,cameras", [("all", 8, (96, 200), 3), ("ladder", 8, (200,), 3),
@@ -166,9 +160,9 @@ def batch1_runner(golden_policy):
     config = golden_policy.config
     runner = SlowCaptureRunner(golden_policy)
     plan = capture_plan(tuple(range(1, 9)), (config.max_token_len,), len(config.cameras))
-    for key in [k for k in plan if k.batch == 1]:
+    for key in plan[:5]:
         runner.capture(key, config.num_inference_steps)
-    assert runner.captures == 5
+    assert {k.batch for k in plan[:5]} == {1} and runner.captures == 5
     return runner
 
 
@@ -251,9 +245,8 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
             assert warm_s >= 0 and capture_s > 0
         counts[warmups] = runner.warm_up_runs - len(images)
         assert runner.captures == len(plan) == 20
-        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras:
-        # batch 1's and batch 2's common calls, then batch 1's other layouts, then batch 2's)
-        assert images == [3, 6, 2, 1, 4]
+        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras)
+        assert images == [3, 2, 1, 6, 4]
     # per (batch, length): the prefix once, the Euler steps once without and once with RTC
     assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
     # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)
@@ -336,13 +329,13 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
         time.sleep(0.005)
     assert request.is_alive() and not result  # waiting for its graph
     # Two captures: the one the capture thread may have begun already, and the RTC graph, though
-    # the plan lists batch 2's common call and two camera layouts before it.
+    # the plan lists two camera layouts before it.
     gate.release()
     gate.release()
     request.join(5)
     assert result["out"][0].shape == (1, horizon, dim)
     assert str(rtc_key) in runtime.stats()["graphs"]["captured_shapes"][2:4]
-    assert plan.index(rtc_key) == 6 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
+    assert plan.index(rtc_key) == 4 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
     for _ in plan:
         gate.release()
     _capture_thread().join()
