@@ -18,7 +18,7 @@ import torch
 from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
 from vlaserve.runtime.fast.kernels import launch_options
-from vlaserve.runtime.fast.precompile import CompilePool, KernelRecorder, compile_workers, start_compile_server
+from vlaserve.runtime.fast.precompile import CompilePool, KernelRecorder, compile_workers
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -206,30 +206,3 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
-
-
-def test_workers_fork_from_the_compile_server_and_compile_into_the_cache_set_now(monkeypatch, tmp_path):
-    """The workers fork from one server that imported the kernels (started once a process, its
-    environment the one it started with); each pool's workers take the parent's cache of now."""
-    start_compile_server()
-    for cache in (tmp_path / "a", tmp_path / "b"):
-        monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-        with CompilePool(1, _Sm90().get_current_target()) as pool:
-            assert pool._pool.submit(os.getenv, "TRITON_CACHE_DIR").result() == str(cache)
-            assert pool._pool.submit(os.getppid).result() != os.getpid()  # forked by the server
-
-
-@pytest.mark.parametrize("device,parallel,entries,started", [("cuda", True, 0, True), ("cuda", True, 1, False),
-                                                              ("cuda", False, 0, False), ("cpu", True, 0, False)])
-def test_the_compile_server_starts_before_the_load_only_where_every_kernel_will_compile(
-        monkeypatch, tmp_path, device, parallel, entries, started):
-    from vlaserve.config import RuntimeConfig
-    from vlaserve.runtime import runner
-
-    for i in range(entries):
-        (tmp_path / f"entry{i}").mkdir()
-    calls = []
-    monkeypatch.setattr(runner, "activate", lambda directory, device: tmp_path)
-    monkeypatch.setattr(runner, "start_compile_server", lambda: calls.append("started"))
-    runner.start_compile_workers(RuntimeConfig(device=device, parallel_compile=parallel), torch.device(device))
-    assert calls == (["started"] if started else [])

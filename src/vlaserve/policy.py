@@ -23,7 +23,7 @@ from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
 from .runtime.memory import check_before_loading
-from .runtime.runner import Runtime, start_compile_workers
+from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ class Policy:
         mark("device_s")  # CUDA initialization, mostly
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = resolve_device("cpu") if settings.profile.offload else device
-        start_compile_workers(settings, device)  # (an empty compile cache: their imports beside the load)
         model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
                              loader=settings.weights_loader, layout=family.weights).eval()
         synchronize(load_device)

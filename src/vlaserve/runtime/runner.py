@@ -34,7 +34,7 @@ from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
 from .compile_cache import activate, is_empty
 from .device import synchronize
-from .fast.precompile import CompilePool, compile_workers, start_compile_server
+from .fast.precompile import CompilePool, compile_workers
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -415,15 +415,6 @@ class Runtime:
                 "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
                 "graph_bytes": self.graph_bytes, "graphs": self._graphs.stats(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
-
-
-def start_compile_workers(settings: RuntimeConfig, device: torch.device) -> None:
-    """Before the weights load: where the fast path will compile in worker processes (an empty
-    compile cache, fast/precompile.py), starts the process they fork from, so that its imports
-    run beside the load and the workers start in milliseconds once the engine asks for them."""
-    if (settings.parallel_compile and settings.runs_fast_path(device.type)
-            and is_empty(activate(settings.compile_cache, device))):
-        start_compile_server()
 
 
 class _GraphProgress:

@@ -15,11 +15,6 @@ processes, run 166; at the lowest CPU priority batch 1's took 11.0 s instead of 
 worker never touches the GPU: it compiles for the parent's target, which a stand-in driver reports
 to Triton.
 
-The workers fork from a fork server that imported torch, Triton and the kernels once
-(`start_compile_server`, called before the weights load), instead of each starting a fresh
-interpreter that imports them: 15 such imports at once took ~4-5 s of batch 1's 8-10 s compile,
-after the load (run 189).
-
 The hook is process-wide; it records only on the thread inside `recording()`, and lets every other
 thread's launches compile as usual (a serving thread never launches a kernel that was skipped).
 """
@@ -30,7 +25,6 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -75,7 +69,7 @@ class KernelRecorder:
 
 class CompilePool:
     """Worker processes compiling recorded specializations into the compile cache (the parent's
-    TRITON_CACHE_DIR when the pool starts) for `target` (default: this process's GPU's Triton target)."""
+    TRITON_CACHE_DIR, inherited) for `target` (default: this process's GPU's Triton target)."""
 
     def __init__(self, workers: int, target=None):
         if target is None:
@@ -83,10 +77,9 @@ class CompilePool:
 
             target = driver.active.get_current_target()
         self.workers = workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=start_compile_server(),
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
-                                         initargs=((target.backend, target.arch, target.warp_size),
-                                                   os.environ.get("TRITON_CACHE_DIR")))
+                                         initargs=((target.backend, target.arch, target.warp_size),))
         for _ in range(workers):  # start them now: their imports overlap the recording
             self._pool.submit(int)
 
@@ -116,21 +109,6 @@ class CompilePool:
         self.close()
 
 
-# What the fork server imports before it forks a worker: the kernels (torch and Triton with them).
-SERVER_PRELOAD = ["vlaserve.runtime.fast.precompile", "vlaserve.runtime.fast.kernels",
-                  "vlaserve.runtime.fast.fp8_kernels"]
-
-
-def start_compile_server():
-    """Starts the process the compile workers fork from (once per process; it imports
-    SERVER_PRELOAD, then waits) -> the multiprocessing context that forks from it. Single-threaded
-    and without CUDA, it forks safely; it lives as long as this process."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(SERVER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
-    return context
-
-
 class _TargetDriver:
     """What Triton asks its driver while compiling, answered for the parent's GPU, none here."""
 
@@ -147,15 +125,9 @@ class _TargetDriver:
         return self.target
 
 
-def _start_worker(target: tuple, cache_dir: str | None) -> None:
+def _start_worker(target: tuple) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-
-    # the parent's cache now (the fork server's environment is the one it started with)
-    if cache_dir is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir
 
     driver.set_active(_TargetDriver(GPUTarget(*target)))
 
