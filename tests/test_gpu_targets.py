@@ -123,14 +123,22 @@ def prefix(b: int) -> None:
     kernels.geglu(meta(p, 2 * VLM.mlp_dim))
 
 
+@contextlib.contextmanager
+def recording_launches(recorded: list):
+    """Within it kernels.py's kernels are Recorders appending to `recorded` (the kernels are back
+    after it, before anything compiles) -> the MonkeyPatch, for more patches undone with it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in vars(kernels).items():
+            if isinstance(value, JITFunction):
+                patch.setattr(kernels, name, Recorder(value, recorded))
+        yield patch
+
+
 def launches(target: targets.Target) -> list:
     """Every kernel launch of batches 1..8 under `target`'s launch table and features."""
     recorded: list = []
     saved = copy.deepcopy(kernels.TUNING)
-    with pytest.MonkeyPatch.context() as patch:  # the kernels are back before anything compiles
-        for name, value in vars(kernels).items():
-            if isinstance(value, JITFunction):
-                patch.setattr(kernels, name, Recorder(value, recorded))
+    with recording_launches(recorded):
         try:
             use_launch_table(target)
             for b in BATCHES:
@@ -381,12 +389,9 @@ def euler_compiles(model, b: int, steps: int, with_rtc: bool) -> set:
     from vlaserve.runtime.fast.pi0 import fast_model
 
     recorded: list = []
-    with pytest.MonkeyPatch.context() as patch:
+    with recording_launches(recorded) as patch:
         patch.setattr(kernels, "available", lambda: True)
         fast = fast_model(model)
-        for name, value in vars(kernels).items():
-            if isinstance(value, JITFunction):
-                patch.setattr(kernels, name, Recorder(value, recorded))
         cache = -(-(PREFIX_LEN + HORIZON) // 64) * 64
         k_cache = meta(VLM.depth, b, cache, VLM.head_dim)
         rtc = StaticRTC.allocate(b, HORIZON, ACTION_DIM, steps, "meta") if with_rtc else None

@@ -122,7 +122,7 @@ class FastRunner:
                                attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
-        self.device = model.action_in_proj.weight.device
+        self.device = self.fast.device
         self.use_graphs, self.warmups, self.gemm_library = use_graphs, warmups, gemm_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None

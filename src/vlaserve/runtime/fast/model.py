@@ -71,13 +71,13 @@ class FastPi05:
             if not self._prefix_on_triton() or layer_stream is not None:
                 raise ConfigError("gemm_library 'quack' needs the Triton fast path (bfloat16, CUDA) and a memory "
                                   "profile other than offload")
-            cute.require(model.action_in_proj.weight.device)
+            cute.require(self.device)
             cute.register()
         self.flash = attention_library == "fa4"
         if self.flash:
             if not self._prefix_on_triton():
                 raise ConfigError("attention_library 'fa4' needs the Triton fast path (bfloat16, CUDA)")
-            flash.require(model.action_in_proj.weight.device)
+            flash.require(self.device)
         if any(isinstance(lin, Fp8Linear) for lin in model.expert.modules()):
             raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
                               "expert kernels take bfloat16 weights")
@@ -106,9 +106,14 @@ class FastPi05:
             return linear_fp8(x, w.data, w.scale, bias, w.input_scale, quantizer=quantizer)
         return F.linear(x, w, bias)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are."""
+        return self.model.action_in_proj.weight.device
+
     def schedule(self, num_steps: int) -> TimeSchedule:
         if num_steps not in self._schedules:
-            self._schedules[num_steps] = TimeSchedule(self.model, num_steps, self.model.action_in_proj.weight.device)
+            self._schedules[num_steps] = TimeSchedule(self.model, num_steps, self.device)
         return self._schedules[num_steps]
 
     # ---- prefix ---------------------------------------------------------------------------
@@ -152,8 +157,7 @@ class FastPi05:
         """SigLIP's attention over `images` images of zeros, outside any capture (FastRunner.capture's
         warm-up: torch's attention is slow the first time it meets a shape inside a capture)."""
         d = self.model.vision.dims
-        qkv = torch.zeros(images * d.num_patches, 3 * d.num_heads * d.head_dim, dtype=self.dtype,
-                          device=self.model.action_in_proj.weight.device)
+        qkv = torch.zeros(images * d.num_patches, 3 * d.num_heads * d.head_dim, dtype=self.dtype, device=self.device)
         self._vision_attention(qkv, images, d.num_patches)
 
     def _vision_attention(self, qkv: torch.Tensor, n: int, p: int) -> torch.Tensor:
