@@ -214,21 +214,6 @@ def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
     assert runner.precompile(batch1, steps, _EmptyPool()) == 0 and runner.warm_up_runs == 6 + len(config.cameras)
 
 
-class _KeptPool:
-    def compile(self, recorder):
-        self.compiled = dict(recorder.recorded)
-        return len(self.compiled)
-
-
-def test_precompile_leaves_out_what_was_compiled_ahead_of_the_load(golden_policy, monkeypatch):
-    runner = SlowCaptureRunner(golden_policy)
-    monkeypatch.setattr(runner, "record_kernels", lambda keys, num_steps, recorder: recorder.recorded.update(
-        {"a": ("m", "k1"), "b": ("m", "k2")}))
-    pool = _KeptPool()
-    assert runner.precompile([], 10, pool, {"a"}) == 1 and pool.compiled == {"b": ("m", "k2")}
-    assert runner.precompile([], 10, pool) == 2
-
-
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
     runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
     steps = config.num_inference_steps
@@ -417,8 +402,7 @@ def test_the_eager_runtime_is_ready_at_once(golden_policy):
     assert golden_policy.runtime.serving.is_set()
     assert graphs == {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
                       "serving_after_s": 0.0, "all_captured_after_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0,
-                      "kernels_compiled_ahead": 0, "compile_ahead_s": 0.0, "per_graph": [], "error": None,
-                      "kernels_compiled_during_load": 0, "kernels_during_load_s": None}
+                      "kernels_compiled_ahead": 0, "compile_ahead_s": 0.0, "per_graph": [], "error": None}
 
 
 class StampedEvent:

@@ -91,15 +91,14 @@ def _cache_entries(directory) -> set[str]:
     return {p.name for p in directory.iterdir()}
 
 
-@pytest.mark.parametrize("start", ["spawn", "fork"])
-def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp_path, start):
+def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp_path):
     x, y = torch.empty(64), torch.empty(64)
     recorder = KernelRecorder()
     with recorder.recording():
         for block in (16, 32, 64):
             _copy[(1,)](x, y, 64, BLOCK=block, **OPTIONS)
     assert set(recorder.recorded.values()) == {(__name__, "_copy")}
-    with CompilePool(2, start).aim(tmp_path, _Sm90().get_current_target()) as pool:
+    with CompilePool(2, _Sm90().get_current_target()) as pool:
         assert pool.compile(recorder) == 3 and recorder.recorded == {}
     compiled = _cache_entries(tmp_path)
     assert len(compiled) >= 3 and sm90 == []  # compiled by the workers, into this process's cache
@@ -125,18 +124,18 @@ def test_a_kernel_the_workers_cannot_compile_is_left_to_its_warm_up(sm90, tmp_pa
     recorder = KernelRecorder()
     with recorder.recording():
         _broken[(1,)](torch.empty(16), BLOCK=16, **OPTIONS)
-    with CompilePool(1).aim(tmp_path, _Sm90().get_current_target()) as pool, caplog.at_level("WARNING"):
+    with CompilePool(1, _Sm90().get_current_target()) as pool, caplog.at_level("WARNING"):
         assert pool.compile(recorder) == 0
     assert "1 of 1 kernels did not compile" in caplog.text and "their warm-up compiles them" in caplog.text
     with pytest.raises(Exception, match="undefined_name"):  # where the launch raises, as without workers
         _broken.warmup(torch.empty(16), BLOCK=16, grid=(1,), **OPTIONS)
 
 
-def test_workers_that_are_gone_leave_the_compiles_to_the_warm_ups(sm90, tmp_path, caplog):
+def test_workers_that_are_gone_leave_the_compiles_to_the_warm_ups(sm90, caplog):
     recorder = KernelRecorder()
     with recorder.recording():
         _copy[(1,)](torch.empty(64), torch.empty(64), 64, BLOCK=64, **OPTIONS)
-    with CompilePool(1).aim(tmp_path, _Sm90().get_current_target()) as pool:
+    with CompilePool(1, _Sm90().get_current_target()) as pool:
         assert isinstance(pool._pool.submit(os._exit, 1).exception(), BrokenProcessPool)  # a worker died
         with caplog.at_level("WARNING"):
             assert pool.compile(recorder) == 0  # no error: serving goes on
@@ -163,7 +162,7 @@ class _Recording:
     def __init__(self):
         self.events = []
 
-    def precompile(self, keys, num_steps, pool, compiled=frozenset()):
+    def precompile(self, keys, num_steps, pool):
         self.events.append(("precompile", tuple(keys), pool))
         return 7
 

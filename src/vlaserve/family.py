@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint.weights import PI0_LAYOUT, PI05_LAYOUT, WeightLayout, apply_dtype_policy
+from .checkpoint.weights import PI0_LAYOUT, PI05_LAYOUT, WeightLayout
 from .config import GEMMA_VARIANTS, SIGLIP_SO400M_14, GemmaDims, ModelConfig, PolicyConfig, VisionDims
 from .errors import CheckpointError
 from .model.pi0 import Pi0Model
@@ -65,12 +65,6 @@ def family_named(policy_type, where: str = "config.json") -> Family:
 
 def family_of(config: PolicyConfig) -> Family:
     return FAMILIES[config.policy_type]
-
-
-def meta_model(config: PolicyConfig, dtype: torch.dtype) -> nn.Module:
-    """The checkpoint's model on the meta device, its parameters in the dtypes loading gives them."""
-    family = family_of(config)
-    return apply_dtype_policy(family.build_model(config), dtype, family.weights)
 
 
 def _read_json(path: Path) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from .checkpoint.files import checkpoint_files
@@ -16,7 +15,7 @@ from .checkpoint.weights import load_weights, parameter_counts
 from .config import PolicyConfig, RuntimeConfig
 from .demo import DEMO_IDS, find_checkpoint
 from .errors import InvalidRequest
-from .family import family_of, load_policy_config, meta_model
+from .family import family_of, load_policy_config
 from .precision import apply_precision
 from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
@@ -24,7 +23,7 @@ from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
 from .runtime.memory import check_before_loading
-from .runtime.runner import Runtime, compile_kernels_ahead, fork_compile_workers
+from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
 
 log = logging.getLogger(__name__)
@@ -71,33 +70,19 @@ class Policy:
         preprocessor = Preprocessor(config, pipeline, tokenizer, family, settings.prompt_buckets,
                                     defer_resize=device.type == "cuda")
         mark("config_s")
-        # Before CUDA initializes (check_before_loading): workers that may compile the kernels meanwhile.
-        workers = fork_compile_workers(settings, device)
-        try:
-            check_before_loading(directory, config, dtype, settings, device)
-            mark("device_s")  # CUDA initialization, mostly
-            # With an empty compile cache the fast path's kernels compile meanwhile (from a meta-device copy).
-            ahead = compile_kernels_ahead(partial(meta_model, config, dtype), config, settings, device, workers)
-        except BaseException:
-            if workers is not None:
-                workers.close()
-            raise
+        check_before_loading(directory, config, dtype, settings, device)
+        mark("device_s")  # CUDA initialization, mostly
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = resolve_device("cpu") if settings.profile.offload else device
-        try:
-            model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
-                                 loader=settings.weights_loader, layout=family.weights).eval()
-            synchronize(load_device)
-            mark("weights_s")
-            layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
-            precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
-            mark("precision_s")
-            runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
-                              progress=progress, kernels_ahead=ahead)
-        except BaseException:
-            if ahead is not None:  # its worker processes end with the failed load
-                ahead.close()
-            raise
+        model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
+                             loader=settings.weights_loader, layout=family.weights).eval()
+        synchronize(load_device)
+        mark("weights_s")
+        layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
+        precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+        mark("precision_s")
+        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
+                          progress=progress)
         mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading

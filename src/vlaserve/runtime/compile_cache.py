@@ -64,7 +64,7 @@ def activate(directory: str | Path | None, device: torch.device) -> Path:
         log.info("compile cache: %s (%s set in the environment; --compile-cache overrides it)", path, TRITON_ENV)
     elif users:
         log.info("compile cache: %s (--compile-cache given: %s=%s ignored)", path, TRITON_ENV, users)
-    elif str(path) != _activated:  # (a second call for the same start says nothing new)
+    else:
         log.info("compile cache: %s", path)
     try:
         path.mkdir(parents=True, exist_ok=True)  # concurrent replicas: exist_ok

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,9 +39,6 @@ from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 from .turns import DeviceTurns
-
-if TYPE_CHECKING:  # the fast path's modules import Triton: only where it runs
-    from .fast.ahead import KernelsAhead
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +177,8 @@ class Runtime:
     SERVING_WAIT_S = 120.0
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
-                 dtype: torch.dtype, revision: str, progress: bool = False, kernels_ahead: KernelsAhead | None = None):
-        # kernels_ahead: compile_kernels_ahead's, started before the weights loaded
+                 dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
-        self.kernels_ahead = kernels_ahead
         self.progress = progress  # a progress bar on stderr while graphs are captured
         # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
         # capture fails if another thread touches the device meanwhile), when runtime/turns.py says.
@@ -208,10 +203,7 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        if kernels_ahead is not None:
-            target = kernels_ahead.target
-        else:
-            target = choose_target(device) if runtime.runs_fast_path(device.type) else None
+        target = choose_target(device) if runtime.runs_fast_path(device.type) else None
         if target is not None:
             self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
         elif runtime.gemm_library != "cublas":
@@ -223,17 +215,20 @@ class Runtime:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
-        if self.kernels_ahead is not None:
-            pool = self.kernels_ahead.pool
-        else:
-            pool = compile_pool(self.settings, self.device)
-            use_launch_table(target)
+        cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
+        # A cache without a single entry: every kernel is compiled, so each batch size's are
+        # compiled together in worker processes before its warm-ups (fast/precompile.py). With
+        # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
+        pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
+        use_launch_table(target)
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
                           warmups=self.settings.capture_warmups)
         lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
-        plan = fast_path_plan(self.config, self.settings)
+        plan = capture_plan(self.settings.graph_sizes, lengths, len(self.config.cameras))
+        if self.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only
+            plan = [key for key in plan if not key.is_prefix]
         # The allocator's reserved bytes, its unused cache returned first on both sides: what stays is
         # the static buffers and the graphs' private pools (free device memory also moves with other
         # processes and with what loading left cached).
@@ -276,22 +271,14 @@ class Runtime:
                          daemon=True).start()
 
     def _precompile(self, runner, key: GraphKey, num_steps: int, pool: CompilePool) -> None:
-        """Compiles the kernels of key's batch size together (see serve_while_capturing): those
-        the loaded model launches that were not compiled ahead (kernels_ahead: none, unless its
-        recording on the meta device missed some)."""
+        """Compiles the kernels of key's batch size together (see serve_while_capturing)."""
         graphs = self._graphs
         started = time.perf_counter()
-        ahead = self.kernels_ahead
-        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool,
-                                    ahead.recorded if ahead is not None else frozenset())
+        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool)
         seconds = time.perf_counter() - started
         graphs.compiled(kernels, seconds)
-        if self.kernels_ahead is None:
-            log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s", key.batch, kernels,
-                     pool.workers, seconds)
-        elif kernels:
-            log.warning("batch %d: %d kernels the loaded model launches were not compiled ahead of the load "
-                        "(compiled now, in %.1f s)", key.batch, kernels, seconds)
+        log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s", key.batch, kernels,
+                 pool.workers, seconds)
 
     def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs
@@ -305,12 +292,9 @@ class Runtime:
                     if self.serving.is_set():
                         self.turns.before_capture()
                     key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
-                    if key.batch not in compiled:
+                    if compile_pool is not None and key.batch not in compiled:
                         compiled.add(key.batch)
-                        if self.kernels_ahead is not None:
-                            self.kernels_ahead.wait(key.batch)
-                        if compile_pool is not None:
-                            self._precompile(runner, key, num_steps, compile_pool)
+                        self._precompile(runner, key, num_steps, compile_pool)
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
@@ -422,11 +406,6 @@ class Runtime:
         self._state = state
         self.turns.capturing = state in ("warming_up", "capturing")
 
-    def _ahead_stats(self) -> dict:
-        ahead = self.kernels_ahead
-        return {"kernels_compiled_during_load": 0 if ahead is None else ahead.compiled,
-                "kernels_during_load_s": None if ahead is None else round(ahead.seconds, 3)}
-
     def stats(self) -> dict:
         runner = self.runner
         return {"state": self.state, "fast_path": self.fast_path,
@@ -434,72 +413,8 @@ class Runtime:
                 "padded_calls": getattr(runner, "padded_calls", 0), "split_calls": getattr(runner, "split_calls", 0),
                 "request_path_captures": getattr(runner, "request_path_captures", 0),
                 "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
-                "graph_bytes": self.graph_bytes, "graphs": {**self._graphs.stats(), **self._ahead_stats()},
+                "graph_bytes": self.graph_bytes, "graphs": self._graphs.stats(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
-
-
-def fast_path_plan(config: PolicyConfig, settings: RuntimeConfig) -> list[GraphKey]:
-    """The CUDA graphs the fast path captures, in order (runtime/capture.py)."""
-    plan = capture_plan(settings.graph_sizes, prompt_lengths(settings.prompt_buckets, config.max_token_len),
-                        len(config.cameras))
-    if settings.profile.offload:  # its prefix streams its layers outside graphs: the Euler steps' only
-        plan = [key for key in plan if not key.is_prefix]
-    return plan
-
-
-def compile_pool(settings: RuntimeConfig, device: torch.device) -> CompilePool | None:
-    """Activates the compile cache (before any kernel compiles: TRITON_CACHE_DIR) -> worker processes
-    to compile in where it holds not a single entry: every kernel compiles, so each batch size's are
-    compiled together (fast/precompile.py). With some entries, the few a warm-up lacks compile one
-    by one, as it runs."""
-    cache = activate(settings.compile_cache, device)
-    if not settings.parallel_compile or not is_empty(cache):
-        return None
-    return CompilePool(compile_workers()).aim(cache)
-
-
-def compiles_ahead(settings: RuntimeConfig, device: torch.device) -> bool:
-    """Whether the fast path's own Triton kernels may compile while the weights load: on CUDA with
-    compile workers, not in the offload profile (its prefix streams its layers), fp8 (its layers
-    change after the load), quack or FA4 (CuTe kernels). Whether they do waits for the GPU and the
-    compile cache (compile_kernels_ahead)."""
-    return (settings.runs_fast_path(device.type) and settings.parallel_compile and not settings.profile.offload
-            and settings.precision == "bf16" and settings.gemm_library == "cublas"
-            and settings.attention_library == "triton")
-
-
-def fork_compile_workers(settings: RuntimeConfig, device: torch.device) -> CompilePool | None:
-    """The compile workers for compile_kernels_ahead, forked now: before this process initializes
-    CUDA or starts a thread, so they start in milliseconds with its imports (spawned ones import
-    torch for ~4 s each, and beside the load that slowed it to 5.4-5.9 s, run 188). None where
-    nothing can compile ahead."""
-    if not compiles_ahead(settings, device):
-        return None
-    from .fast import ahead  # noqa: F401  (what the workers run, imported once, here, before they fork)
-
-    return CompilePool(compile_workers(), start="fork")
-
-
-def compile_kernels_ahead(build_model: Callable[[], torch.nn.Module], config: PolicyConfig, settings: RuntimeConfig,
-                          device: torch.device, pool: CompilePool | None) -> KernelsAhead | None:
-    """With an empty compile cache, starts compiling the fast path's kernels in `pool`
-    (fork_compile_workers') while the weights load: recorded from `build_model()` (picklable: a
-    compile worker runs it), a meta-device copy of the model about to load in its dtypes
-    (fast/ahead.py) -> for Runtime's `kernels_ahead`. None, the pool closed, where the cache has
-    entries (the kernels load from it) or the GPU runs no fast path."""
-    if pool is None:
-        return None
-    from .fast.ahead import KernelsAhead
-    from .fast.launch_tables import use_launch_table
-
-    cache = activate(settings.compile_cache, device)
-    target = choose_target(device) if is_empty(cache) else None
-    if target is None:
-        pool.close()
-        return None
-    use_launch_table(target)
-    return KernelsAhead(build_model, config, settings, fast_path_plan(config, settings), config.num_inference_steps,
-                        target, pool.aim(cache))
 
 
 class _GraphProgress:

@@ -13,7 +13,6 @@ lengths x camera layouts x RTC).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -170,10 +169,6 @@ class FastRunner:
         """Runs `fn` on the capture stream (compiling its kernels, creating the library handles a
         capture needs), and waits for it on the host only: serving's stream never waits."""
         stream = self._capture_stream
-        if stream is None:  # a runner without graphs: where it is (the meta model's recording, fast/ahead.py)
-            for _ in range(runs):
-                fn()
-            return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(runs):
@@ -301,31 +296,19 @@ class FastRunner:
         """The warm-up buffers of batch size b (the previous size's go): (buffers, rtc buffers)."""
         if self._scratch_batch != b:
             self._scratch, self._scratch_batch = {}, b
-        stream = self._capture_stream  # allocated where they are used (no graphs: nothing asks CUDA)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(self._capture_stream):  # allocated where they are used
             return (self._buffer_set(self._scratch, b, length),
                     self._rtc_buffers(b, length, num_steps, self._scratch))
 
     @torch.no_grad()
-    def precompile(self, keys: list[GraphKey], num_steps: int, pool: CompilePool,
-                   compiled: frozenset[str] | set[str] = frozenset()) -> int:
+    def precompile(self, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> int:
         """Compiles the Triton kernels the warm-ups of `keys` would compile, in `pool`'s processes,
-        before any of them runs (fast/precompile.py) -> how many kernels; none of the specializations
-        in `compiled` (compiled ahead of the load: fast/ahead.py)."""
+        before any of them runs (fast/precompile.py) -> how many kernels. Each call not warmed up
+        yet runs once on scratch buffers with those kernels recorded instead of launched (its
+        other work, cuBLAS's, runs: on scratch, and never read), under the device lock."""
         if not self.use_graphs:
             return 0
-        recorder = KernelRecorder()
-        self.record_kernels(keys, num_steps, recorder)
-        recorder.recorded = {data: kernel for data, kernel in recorder.recorded.items() if data not in compiled}
-        return pool.compile(recorder)
-
-    @torch.no_grad()
-    def record_kernels(self, keys: list[GraphKey], num_steps: int, recorder: KernelRecorder) -> None:
-        """Records the Triton kernels the warm-ups of `keys` would compile: each call not warmed up
-        yet runs once on scratch buffers with those kernels recorded instead of launched (its other
-        work, cuBLAS's, runs: on scratch, and never read), under the device lock. On a model on the
-        meta device nothing runs at all (fast/ahead.py)."""
-        ran = set()
+        recorder, ran = KernelRecorder(), set()
         for key in keys:
             if key.is_prefix and self.fast.layer_stream is not None:
                 continue
@@ -337,6 +320,7 @@ class FastRunner:
                 call = self._warm_up_call(key, num_steps)
                 with recorder.recording():
                     self._warm_up(call, 1)
+        return pool.compile(recorder)
 
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""

@@ -27,11 +27,8 @@ import logging
 import multiprocessing
 import os
 import threading
-import warnings
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-
-from ..compile_cache import TRITON_ENV as TRITON_CACHE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -71,61 +68,31 @@ class KernelRecorder:
 
 
 class CompilePool:
-    """Worker processes compiling recorded specializations into the compile cache for a GPU's Triton
-    target, both given by `aim` before the first job (each job carries them: a pool forked before
-    the parent knew its GPU has none).
+    """Worker processes compiling recorded specializations into the compile cache (the parent's
+    TRITON_CACHE_DIR, inherited) for `target` (default: this process's GPU's Triton target)."""
 
-    `start` "spawn": fresh interpreters, each importing torch and Triton (~4 s); safe at any time.
-    "fork": copies of this process, started in milliseconds with everything it imported; only
-    before this process initializes CUDA (a forked copy of a CUDA process cannot use it, and the
-    workers never do: a stand-in driver answers Triton for the GPU, CUDA_VISIBLE_DEVICES is empty
-    in them) and while no other thread of it holds a lock (Policy forks them first thing)."""
-
-    def __init__(self, workers: int, start: str = "spawn"):
-        self.workers = workers
-        self._aim: tuple | None = None
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(start),
-                                         initializer=_start_worker)
-        with warnings.catch_warnings():
-            # Python 3.12 warns of any fork beside other threads (the checkpoint's readers may be running):
-            # a forked worker runs only Triton's compiler and never takes their locks.
-            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-            for _ in range(workers):  # start them now (spawned: their imports overlap the recording)
-                self._pool.submit(int)
-
-    def aim(self, cache_directory: str | os.PathLike, target=None) -> "CompilePool":
-        """What the jobs compile for: `target` (Triton's GPUTarget; default: this process's GPU's,
-        which initializes CUDA here), into `cache_directory` (Triton's cache)."""
+    def __init__(self, workers: int, target=None):
         if target is None:
             from triton.runtime import driver
 
             target = driver.active.get_current_target()
-        self._aim = ((target.backend, target.arch, target.warp_size), str(cache_directory))
-        return self
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_start_worker,
+                                         initargs=((target.backend, target.arch, target.warp_size),))
+        for _ in range(workers):  # start them now: their imports overlap the recording
+            self._pool.submit(int)
 
     def compile(self, recorder: KernelRecorder) -> int:
         """Compiles what `recorder` holds, in parallel, and waits -> how many compiled (the record is
         emptied). A kernel that fails here is left to its warm-up, which compiles it again and
         raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
-        return self.wait(self.submit(recorded))
-
-    def submit(self, recorded: dict[str, tuple[str, str]]) -> list[Future]:
-        """Starts compiling `recorded` (a KernelRecorder's record) -> its jobs, for `wait`."""
         try:
-            return [self.run(_compile, module, name, data) for data, (module, name) in recorded.items()]
+            jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
-            return []
-
-    def run(self, fn, *args) -> Future:
-        """fn(*args) in a worker, aimed (both picklable; the worker has no GPU)."""
-        if self._aim is None:
-            raise RuntimeError("CompilePool.aim first: the workers need the GPU's target and the cache")
-        return self._pool.submit(_aimed, self._aim, fn, *args)
-
-    def wait(self, jobs: list[Future]) -> int:
-        """Waits for `submit`'s jobs -> how many compiled (failures are logged, for the warm-ups)."""
+            return 0
         failed = [job.exception() for job in jobs if job.exception() is not None]
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
@@ -142,7 +109,7 @@ class CompilePool:
         self.close()
 
 
-class TargetDriver:
+class _TargetDriver:
     """What Triton asks its driver while compiling, answered for the parent's GPU, none here."""
 
     def __init__(self, target):
@@ -158,19 +125,11 @@ class TargetDriver:
         return self.target
 
 
-def _start_worker() -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a worker compiles; touching a GPU would be a bug (a context)
-
-
-def _aimed(aim: tuple, fn, *args):
-    """fn(*args) with Triton compiling for aim's target into aim's cache directory."""
+def _start_worker(target: tuple) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    target, directory = aim
-    driver.set_active(TargetDriver(GPUTarget(*target)))
-    os.environ[TRITON_CACHE_ENV] = directory  # Triton reads it at each cache access
-    return fn(*args)
+    driver.set_active(_TargetDriver(GPUTarget(*target)))
 
 
 def _compile(module: str, name: str, specialization_data: str) -> None:
