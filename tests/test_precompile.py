@@ -18,7 +18,8 @@ import torch
 from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
 from vlaserve.runtime.fast.kernels import launch_options
-from vlaserve.runtime.fast.precompile import CompilePool, KernelRecorder, compile_workers
+from vlaserve.runtime.fast.precompile import (CompilePool, KernelNotLoaded, KernelRecorder, compile_workers,
+                                              loaded_kernels_only)
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -142,6 +143,89 @@ def test_workers_that_are_gone_leave_the_compiles_to_the_warm_ups(sm90, caplog):
     assert "the compile workers are gone" in caplog.text
     # compiled here
     assert _copy.warmup(torch.empty(64), torch.empty(64), 64, BLOCK=64, grid=(1,), **OPTIONS) is not None
+
+
+def test_a_launch_of_a_kernel_not_loaded_here_raises_before_anything_compiles(sm90):
+    """`loaded_kernels_only`: what a capture that goes before its warm-up relies on. Triton's warm-up
+    entry specializes and looks a kernel up exactly as a launch does, and launches nothing."""
+    x, y = torch.empty(64), torch.empty(64)
+    assert _copy.warmup(x, y, 64, BLOCK=64, grid=(1,), **OPTIONS) is not None  # compiled and loaded here
+    with loaded_kernels_only():
+        assert _copy.warmup(x, y, 64, BLOCK=64, grid=(1,), **OPTIONS) is not None  # loaded: no question asked
+        with pytest.raises(KernelNotLoaded, match="_copy"):
+            _copy[(1,)](x, y, 64, BLOCK=32, **OPTIONS)
+        with pytest.raises(KernelNotLoaded):
+            _copy[(1,)](x, y, 60, BLOCK=64, **OPTIONS)  # 60: another specialization of a loaded kernel
+        other = threading.Thread(target=lambda: _copy.warmup(x, y, 64, BLOCK=16, grid=(1,), **OPTIONS))
+        other.start()
+        other.join()
+    assert sm90 == ["_copy", "_copy"]  # BLOCK 64 before, BLOCK 16 on the other thread; nothing inside
+    assert triton.knobs.runtime.jit_cache_hook is None
+
+
+def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
+    """capture_warmups="on_new_kernel" on the real FastRunner.capture (the CPU stand-ins of
+    test_capture.py), each call also launching real Triton kernels: a warm-up runs where a capture
+    meets a kernel not loaded, and only there; nothing compiles inside a capture."""
+    from test_capture import SlowCaptureRunner
+
+    config = golden_policy.config
+    plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
+    # the BLOCKs (specializations of _copy) each call launches: the prefix's the same at every size
+    blocks = {(True, 1, False): [16], (False, 1, False): [32], (False, 1, True): [32, 64],
+              (True, 2, False): [16], (False, 2, False): [128], (False, 2, True): [128]}
+
+    class KernelsPerCall(SlowCaptureRunner):
+        """A call launches its kernels through Triton's warm-up entry: a warm-up compiles and loads
+        them; a capture meets them, loaded or not."""
+
+        def capture(self, key, num_steps):
+            self.key = key
+            return super().capture(key, num_steps)
+
+        def _warm_up_call(self, key, num_steps):
+            call = super()._warm_up_call(key, num_steps)
+            return lambda: (self.launch(key), call())[1]
+
+        def _new_graph(self, fn):
+            compiled = len(sm90)
+            self.launch(self.key)  # a capture records the call's launches
+            assert len(sm90) == compiled, "a kernel compiled inside a capture"
+            return super()._new_graph(fn)
+
+        def launch(self, key):
+            x = torch.empty(64)
+            for block in blocks[(key.is_prefix, key.batch, key.rtc)]:
+                _copy.warmup(x, x, 64, BLOCK=block, grid=(1,), **OPTIONS)
+
+    runs = {}
+    for mode in ("on_new_kernel", "per_kernel"):
+        _copy.device_caches.clear()  # nothing loaded in the "process"
+        sm90.clear()
+        runner = KernelsPerCall(golden_policy, warmups=mode)
+        attention = runner.fast.warm_vision_attention
+        images: list[int] = []
+        runner.fast.warm_vision_attention = lambda n: (images.append(n), attention(n))
+        for key in plan:
+            runner.capture(key, config.num_inference_steps)
+        assert runner.captures == len(plan) and len(sm90) == 4  # each kernel compiled once
+        runs[mode] = (runner.warm_up_runs - len(images), runner.warm_ups_skipped)
+    # b1's prefix warms up first (nothing has); b1's Euler steps with and without RTC and b2's
+    # without meet a new BLOCK; b2's prefix and its Euler steps with RTC launch loaded ones only
+    assert runs == {"on_new_kernel": (4, 2), "per_kernel": (6, 0)}
+
+
+def test_a_cute_library_warms_every_signature_up_first(golden_policy):
+    from test_capture import SlowCaptureRunner
+
+    runner = SlowCaptureRunner(golden_policy, warmups="on_new_kernel")
+    runner._warmed.add(("prefix", 1, 48, None))
+    assert runner._captures_first()
+    for library in ("gemm_library", "attention_library"):  # CuTe DSL kernels compile per shape, unseen by Triton
+        quack = SlowCaptureRunner(golden_policy, warmups="on_new_kernel")
+        quack._warmed.add(("prefix", 1, 48, None))
+        setattr(quack, library, "quack" if library == "gemm_library" else "fa4")
+        assert not quack._captures_first()
 
 
 def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):

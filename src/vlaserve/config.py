@@ -118,7 +118,7 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
 GRAPH_BATCHES = ("all", "ladder")
-CAPTURE_WARMUPS = ("per_kernel", "per_graph")
+CAPTURE_WARMUPS = ("per_kernel", "on_new_kernel", "per_graph")
 GEMM_LIBRARIES = ("cublas", "quack")
 ATTENTION_LIBRARIES = ("triton", "fa4")
 PRECISIONS = ("bf16", "fp8", "fp8+expert")
@@ -156,6 +156,11 @@ class RuntimeConfig:
     warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's first CUDA graphs are "
                                                 "captured, the rest captured while serving) or blocking (ready "
                                                 "once every one is)")
+    capture_warmups: str = _option("per_kernel", "MODE", "CUDA: warm-up runs before the graph captures: per_kernel "
+                                                         "(one per kernel signature), on_new_kernel (a capture goes "
+                                                         "first; its warm-up runs only if it meets a kernel not "
+                                                         "loaded yet) or per_graph (two before every graph; the "
+                                                         "older way, to compare)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
                                                            "runai-streamer (pip install 'vlaserve[runai]')")
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
@@ -193,9 +198,6 @@ class RuntimeConfig:
                                                              "as arm=0-5;gripper=6")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
-    # CUDA graph capture: one warm-up run per kernel signature before the captures ("per_kernel"), or
-    # two before every graph ("per_graph": the older way, kept to compare on a GPU).
-    capture_warmups: str = "per_kernel"
     # CUDA, an empty compile cache: each batch size's Triton kernels compiled together in worker processes
     # before its warm-ups (runtime/fast/precompile.py); False: one by one as the warm-ups launch them.
     parallel_compile: bool = True

@@ -314,8 +314,9 @@ class Runtime:
             return
         graphs.all_captured_after_s = time.perf_counter() - graphs.started
         self.state = "ready"
-        log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures)",
-                 graphs.all_captured_after_s, graphs.warmup_s, graphs.capture_s)
+        log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures; "
+                 "%d warm-ups skipped: their kernels were loaded)", graphs.all_captured_after_s, graphs.warmup_s,
+                 graphs.capture_s, getattr(runner, "warm_ups_skipped", 0))
 
     def _start_serving(self) -> None:
         graphs = self._graphs
@@ -413,7 +414,8 @@ class Runtime:
                 "padded_calls": getattr(runner, "padded_calls", 0), "split_calls": getattr(runner, "split_calls", 0),
                 "request_path_captures": getattr(runner, "request_path_captures", 0),
                 "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
-                "graph_bytes": self.graph_bytes, "graphs": self._graphs.stats(),
+                "graph_bytes": self.graph_bytes,
+                "graphs": {**self._graphs.stats(), "warm_ups_skipped": getattr(runner, "warm_ups_skipped", 0)},
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
 
 

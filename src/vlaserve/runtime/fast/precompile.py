@@ -17,6 +17,9 @@ to Triton.
 
 The hook is process-wide; it records only on the thread inside `recording()`, and lets every other
 thread's launches compile as usual (a serving thread never launches a kernel that was skipped).
+The same hook also tells a graph capture whether every Triton kernel it records is loaded already
+(`loaded_kernels_only`), so a capture can go first and its warm-up run only when one is not
+(FastRunner.capture, `capture_warmups="on_new_kernel"`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,27 @@ def compile_workers() -> int:
     return max(1, min(16, (os.cpu_count() or 2) - 1))
 
 
+@contextlib.contextmanager
+def _asked_on_this_thread(answer):
+    """Within it, Triton calls `answer(launch)` (its hook's keyword arguments) for each launch on this
+    thread of a kernel this process has not loaded, before it compiles or loads anything; `answer`
+    returning True skips the launch. Other threads' launches go on as before."""
+    import triton
+
+    owner, previous = threading.get_ident(), triton.knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        if threading.get_ident() != owner:
+            return previous(*args, **kwargs) if previous is not None else None
+        return answer(kwargs)
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+
+
 class KernelRecorder:
     """Specializations of the kernels launched on this thread that were not compiled yet:
     {specialization data (JSON, Triton's format): (the kernel's module, its name)}."""
@@ -49,22 +73,29 @@ class KernelRecorder:
     def recording(self):
         """Within it, on this thread, a launch of a kernel not compiled yet is recorded and skipped
         (launches nothing); compiled kernels launch as usual."""
-        import triton
-
-        owner, previous = threading.get_ident(), triton.knobs.runtime.jit_cache_hook
-
-        def hook(*args, **kwargs):
-            if threading.get_ident() != owner:
-                return previous(*args, **kwargs) if previous is not None else None
-            kernel = kwargs["fn"].jit_function.fn
-            self.recorded[kwargs["compile"]["specialization_data"]] = (kernel.__module__, kernel.__qualname__)
+        def record(launch) -> bool:
+            kernel = launch["fn"].jit_function.fn
+            self.recorded[launch["compile"]["specialization_data"]] = (kernel.__module__, kernel.__qualname__)
             return True  # skip: compile nothing, launch nothing
 
-        triton.knobs.runtime.jit_cache_hook = hook
-        try:
+        with _asked_on_this_thread(record):
             yield self
-        finally:
-            triton.knobs.runtime.jit_cache_hook = previous
+
+
+class KernelNotLoaded(Exception):
+    """A launch inside `loaded_kernels_only` met a Triton kernel this process has not loaded."""
+
+
+@contextlib.contextmanager
+def loaded_kernels_only():
+    """Within it, on this thread, a launch of a Triton kernel that this process has not loaded (not
+    launched before: compiled or in the compile cache makes no difference) raises KernelNotLoaded
+    before anything is compiled, loaded or launched."""
+    def refuse(launch) -> bool:
+        raise KernelNotLoaded(launch["fn"].jit_function.fn.__qualname__)
+
+    with _asked_on_this_thread(refuse):
+        yield
 
 
 class CompilePool:
