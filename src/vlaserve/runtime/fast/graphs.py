@@ -246,7 +246,7 @@ class FastRunner:
         `warmups="on_new_kernel"`: a signature's capture goes first, and its warm-up runs only if the capture
         meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of it
         ran). Of the default plan's 48 signatures (ALOHA-3, sm90 table) 39 launch no kernel an earlier one did
-        not; what a warm-up does besides loading kernels (library handles, the capture stream's workspaces)
+        not (`1bb9efb:bench/probes/warm_up_signatures.py`); what a warm-up does besides loading kernels (library handles, the capture stream's workspaces)
         is done by the first one, which always runs."""
         self.frozen = True
         self._sizes.add(key.batch)
