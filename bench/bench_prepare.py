@@ -1,17 +1,21 @@
-"""What one request costs the server's host, stage by stage, back to back and after the process sat idle.
+"""What one request costs the server's host, stage by stage, back to back, after the process sat idle and
+after it was busy with other work.
 
     python bench/bench_prepare.py [--idle-ms 10] [--calls 200] [--out DIR]
 
-A robot's next request comes after its reply went out and its controller thought for a while, so
-the server handles each request on a CPU that has been idle. This times, for bench_fleet's robot
+A robot's next request comes after its reply went out and its controller thought for a while, so the
+server handles each request on a CPU that has been idle. This times, for bench_fleet's robot
 observation (3 uint8 224x224 cameras, LeRobot keys, sent by openpi-client) on the golden checkpoint,
 each host stage of the OpenPI socket's path outside the device: decoding the frame, building the
 Request (validation), Policy.prepare (images, state, prompt tokens, noise) and its sub-steps,
-encoding the reply and recording its metrics; back to back and with `--idle-ms` of sleep before
-each call. Then the thread hops a request takes (event loop -> worker -> launch thread ->
-completion thread -> event loop), each alone, and the path from the event loop to the launch
-thread with a prepare in between: back through the event loop, or queued by the worker itself (the
-server's path for a lone request). Every stage: p50 and p99, ms; writes bench_prepare.json.
+encoding the reply and recording its metrics; back to back, with `--idle-ms` of sleep before each
+call, and with as long of busy work instead (a loop on the clock, as a thread spinning on the GPU
+does): if the busy CPU is as slow as the idle one, the cost is the request's state displaced from
+the core, not the core's sleep, and keeping cores awake (busy polling, /dev/cpu_dma_latency) cannot
+remove it. Then the thread hops a request takes (event loop -> worker -> launch thread -> completion
+thread -> event loop), each alone, and the path from the event loop to the launch thread with a
+prepare in between: back through the event loop, or queued by the worker itself (the server's path
+for a lone request). Every stage: p50 and p99, ms; writes bench_prepare.json.
 --smoke: 5 calls each.
 """
 
@@ -47,7 +51,8 @@ def spread(ms: list[float]) -> dict:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--idle-ms", type=float, default=10.0, help="sleep before each call (after_idle)")
+    ap.add_argument("--idle-ms", type=float, default=10.0,
+                    help="sleep (after_idle), or busy work (after_busy), before each call")
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     if args.smoke:
@@ -83,7 +88,14 @@ def main() -> None:
     pre.family = dataclasses.replace(pre.family, prompt=timed("prompt (state bins, text)", pre.family.prompt))
 
     results: dict = {"idle_ms": args.idle_ms, "calls": args.calls, "smoke": args.smoke, "frame_bytes": len(frame)}
-    for label, idle in (("back_to_back", 0.0), ("after_idle", args.idle_ms / 1e3)):
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    pause = args.idle_ms / 1e3
+    for label, between in (("back_to_back", lambda: None), ("after_idle", lambda: time.sleep(pause)),
+                           ("after_busy", lambda: spin(pause))):
         steps.clear()
         stages: dict = collections.defaultdict(list)
         for _ in range(args.calls):
@@ -105,7 +117,7 @@ def main() -> None:
                                ("metrics", t4, t5), ("total", t0, t5)):
                 stages[name].append((b - a) * 1e3)
             assert len(reply) > 0
-            time.sleep(idle)
+            between()
         results[label] = {"stages": {k: spread(v) for k, v in stages.items()},
                           "prepare_steps": {k: spread(v) for k, v in steps.items()}}
         print(label, json.dumps(results[label]))

@@ -119,7 +119,7 @@ def check_bench_rtc(out: Path) -> None:
 
 def check_bench_prepare(out: Path) -> None:
     r = result(out, "bench_prepare", png=False)
-    for label in ("back_to_back", "after_idle"):
+    for label in ("back_to_back", "after_idle", "after_busy"):
         stages, steps = r[label]["stages"], r[label]["prepare_steps"]
         assert set(stages) == {"decode", "request", "prepare", "encode", "metrics", "total"}
         assert {"tokenizer", "prepare_image (x3)", "stack_frames"} <= set(steps)
