@@ -244,10 +244,10 @@ class FastRunner:
         size's scratch buffers go when the plan moves to another size.
 
         `warmups="on_new_kernel"`: a signature's capture goes first, and its warm-up runs only if the capture
-        meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of it
-        ran). Of the default plan's 48 signatures (ALOHA-3, sm90 table) 39 launch no kernel an earlier one did
-        not (`1bb9efb:bench/probes/warm_up_signatures.py`); what a warm-up does besides loading kernels (library handles, the capture stream's workspaces)
-        is done by the first one, which always runs."""
+        meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of
+        it ran). Of the default plan's 48 signatures (ALOHA-3, sm90 table) 39 launch no kernel an earlier one
+        did not (`1bb9efb:bench/probes/warm_up_signatures.py`); what a warm-up does besides loading kernels
+        (library handles, the capture stream's workspaces) the first one does, and it always runs."""
         self.frozen = True
         self._sizes.add(key.batch)
         if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
@@ -258,22 +258,25 @@ class FastRunner:
             graphs, graph_key, signature, make = self._call_of(key, num_steps)
             if graph_key in graphs:
                 return 0.0, 0.0
+
+            def served_call():  # on the static buffers the graph will read
+                return make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps))
+
             runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
             graph = None
             if runs and self._captures_first():
                 if key.is_prefix:
                     self._warm_vision_attention(b * key.slots)
-                graph = self._capture_if_loaded(make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps)))
+                attempt = time.perf_counter()
+                graph = self._capture_if_loaded(served_call())  # (a dropped attempt counts as warm-up time)
                 self.warm_ups_skipped += graph is not None
             if runs and graph is None:
                 self._warm_up(self._warm_up_call(key, num_steps), runs)
             self._warmed.add(signature)
             if key.is_prefix:
                 self._warm_vision_attention(b * key.slots)
-            warmed = time.perf_counter()
-            if graph is None:
-                graph = self._new_graph(make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps)))
-            graphs[graph_key] = graph
+            warmed = attempt if graph is not None else time.perf_counter()
+            graphs[graph_key] = graph if graph is not None else self._new_graph(served_call())
             self.captures += 1
             return warmed - started, time.perf_counter() - warmed
 
