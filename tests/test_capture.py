@@ -115,7 +115,10 @@ class SlowCaptureRunner(FastRunner):
         super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, warmups=warmups,
                          device_lock=device_lock)
         self.use_graphs, self.gate, self.fail_at = True, gate, fail_at
-        self.warm_up_runs = 0
+        self.warm_up_runs = 0  # every warm-up run, SigLIP's attention's among them
+        self.attention_images: list[int] = []  # the image counts SigLIP's attention warmed up at
+        attention = self.fast.warm_vision_attention
+        self.fast.warm_vision_attention = lambda n: (self.attention_images.append(n), attention(n))
 
     def _warm_up(self, fn, runs):
         for _ in range(runs):
@@ -235,18 +238,15 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
     counts, steps_run = {}, []
     for warmups in ("per_kernel", "per_graph"):
         runner = SlowCaptureRunner(golden_policy, warmups=warmups)
-        attention = runner.fast.warm_vision_attention
-        images: list[int] = []
-        runner.fast.warm_vision_attention = lambda n: (images.append(n), attention(n))
         schedule = runner.fast.schedule
         runner.fast.schedule = lambda n: (steps_run.append((warmups, n)), schedule(n))[1]
         for key in plan:
             warm_s, capture_s = runner.capture(key, config.num_inference_steps)
             assert warm_s >= 0 and capture_s > 0
-        counts[warmups] = runner.warm_up_runs - len(images)
+        counts[warmups] = runner.warm_up_runs - len(runner.attention_images)
         assert runner.captures == len(plan) == 20
         # SigLIP's attention once per image count, before the first capture that meets it (3 cameras)
-        assert images == [3, 2, 1, 6, 4]
+        assert runner.attention_images == [3, 2, 1, 6, 4]
     # per (batch, length): the prefix once, the Euler steps once without and once with RTC
     assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
     # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)

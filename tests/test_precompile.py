@@ -203,14 +203,11 @@ def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
         _copy.device_caches.clear()  # nothing loaded in the "process"
         sm90.clear()
         runner = KernelsPerCall(golden_policy, warmups=mode)
-        attention = runner.fast.warm_vision_attention
-        images: list[int] = []
-        runner.fast.warm_vision_attention = lambda n: (images.append(n), attention(n))
         for key in plan:
             warm_s, capture_s = runner.capture(key, config.num_inference_steps)
             assert warm_s >= 0 and capture_s > 0
         assert runner.captures == len(plan) and len(sm90) == 4  # each kernel compiled once
-        runs[mode] = (runner.warm_up_runs - len(images), runner.warm_ups_skipped)
+        runs[mode] = (runner.warm_up_runs - len(runner.attention_images), runner.warm_ups_skipped)
     # b1's prefix warms up first (nothing has); b1's Euler steps with and without RTC and b2's
     # without meet a new BLOCK; b2's prefix and its Euler steps with RTC launch loaded ones only
     assert runs == {"on_new_kernel": (4, 2), "per_kernel": (6, 0)}

@@ -262,19 +262,17 @@ class FastRunner:
             def served_call():  # on the static buffers the graph will read
                 return make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps))
 
+            if key.is_prefix:
+                self._warm_vision_attention(b * key.slots)
             runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
             graph = None
             if runs and self._captures_first():
-                if key.is_prefix:
-                    self._warm_vision_attention(b * key.slots)
                 attempt = time.perf_counter()
                 graph = self._capture_if_loaded(served_call())  # (a dropped attempt counts as warm-up time)
                 self.warm_ups_skipped += graph is not None
             if runs and graph is None:
                 self._warm_up(self._warm_up_call(key, num_steps), runs)
             self._warmed.add(signature)
-            if key.is_prefix:
-                self._warm_vision_attention(b * key.slots)
             warmed = attempt if graph is not None else time.perf_counter()
             graphs[graph_key] = graph if graph is not None else self._new_graph(served_call())
             self.captures += 1
