@@ -127,6 +127,10 @@ def check_bench_prepare(out: Path) -> None:
             assert 0 < stage["p50_ms"] <= stage["p99_ms"]
     assert {"event_loop_to_worker", "worker_to_event_loop", "queue_to_waiting_thread", "thread_to_event_loop",
             "prepare_to_launch_via_event_loop", "prepare_to_launch_from_worker"} == set(r["hops_after_idle"])
+    cycle = r["lone_robot_cycle"]["modes"]
+    assert set(cycle) == {"plain", "keep_warm"}
+    for stages in cycle.values():
+        assert set(stages) == {"front", "back"} and all(0 < s["p50_ms"] <= s["p99_ms"] for s in stages.values())
 
 
 def check_bench_overlap(out: Path) -> None:

@@ -157,6 +157,12 @@ class DeviceClock:
                 self._end = 0.0
             self._cond.notify_all()
 
+    def device_s(self, shape: tuple) -> float | None:
+        """The smoothed device time of a batch of `shape` (batch size, step count, graphs); None
+        before the first one finished."""
+        with self._cond:
+            return self._device_s.get(shape)
+
     def predicted_end(self) -> float | None:
         """When everything launched is predicted to be done (perf_counter seconds); None: nothing in
         flight, or not predictable."""

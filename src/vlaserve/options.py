@@ -29,6 +29,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
                                          "is free, with everything queued meanwhile)"),
     "serial_batches": (bool, False, None, "form the next batch only once the last is answered (default: enqueue it "
                                           "on the device while the last one finishes; for measurement)"),
+    "keep_warm": (bool, False, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
+                                     "predicted to end, so its reply and next frame find that code warm"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),

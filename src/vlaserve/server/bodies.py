@@ -53,6 +53,10 @@ def body_format(content_type: str | None) -> str:
                    f"send application/json or application/msgpack, not {content_type!r}")
 
 
+# What decode_in_place returns for a payload it leaves to a thread.
+NOT_IN_PLACE = object()
+
+
 async def decode(payload: bytes, fmt: str, workers: Workers):
     """The decoded, bounded body (codec); 400 when it does not decode."""
     try:
@@ -60,11 +64,18 @@ async def decode(payload: bytes, fmt: str, workers: Workers):
             if len(payload) <= INLINE_JSON_BYTES:
                 return loads_json(payload)
             return await workers.in_process(loads_json, payload)
-        if len(payload) <= INLINE_MSGPACK_BYTES:
-            try:
-                return unpackb(payload, INLINE_MSGPACK_CONTAINERS)
-            except OverBudget:
-                pass
-        return await workers.in_thread(unpackb, payload)
+        body = decode_in_place(payload)
+        return await workers.in_thread(unpackb, payload) if body is NOT_IN_PLACE else body
     except DecodeError as e:
         raise ApiError(400, f"invalid_{fmt}", str(e)) from None
+
+
+def decode_in_place(payload: bytes):
+    """A msgpack payload decoded here, on the calling thread, if it is cheap to (see above); else
+    NOT_IN_PLACE. Raises DecodeError."""
+    if len(payload) > INLINE_MSGPACK_BYTES:
+        return NOT_IN_PLACE
+    try:
+        return unpackb(payload, INLINE_MSGPACK_CONTAINERS)
+    except OverBudget:
+        return NOT_IN_PLACE

@@ -17,11 +17,14 @@ from ..batcher import Batcher, BatcherClosed
 from ..errors import InvalidInput, NonFiniteActions, NotServing
 from ..processing.images import MAX_IMAGE_SIDE
 from ..processing.layouts import KeyLayout, camera_aliases
-from ..types import MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS, Request
-from .codec import MAX_NESTING_DEPTH
+from ..types import (MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS,
+                     InferenceResult, Request)
+from .bodies import NOT_IN_PLACE, decode_in_place
+from .codec import MAX_NESTING_DEPTH, packb
 from .metrics import Metrics
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
+from .warm import KeepWarm
 from .workers import Workers
 
 MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
@@ -49,6 +52,7 @@ class ServerSettings:
     max_pending: int = 64
     # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
     overlap: bool = True
+    keep_warm: bool = False  # server/warm.py
 
     @classmethod
     def from_options(cls, options: Mapping) -> "ServerSettings":
@@ -58,7 +62,7 @@ class ServerSettings:
                    batch_delay_ms=options["batch_delay_ms"],
                    camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
                    allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
-                   overlap=not options["serial_batches"])
+                   overlap=not options["serial_batches"], keep_warm=options["keep_warm"])
 
 
 def ms_since(start: float) -> float:
@@ -92,6 +96,7 @@ class Service:
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
         self.sessions = Sessions()
+        self.keep_warm = KeepWarm(settings.keep_warm)
         # Where a websocket handshake is sent instead of being accepted here (a URL), or None to
         # accept it: serve-ray's direct websockets set this (fleet/direct.py).
         self.websocket_redirect: Callable[[Mapping], str | None] | None = None
@@ -104,6 +109,7 @@ class Service:
                                on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap)
 
     def stop(self) -> None:
+        self.keep_warm.cancel()
         if self.batcher is not None:
             self.batcher.close()
         if self.workers is not None:
@@ -177,6 +183,7 @@ class Service:
                 "openpi": {"path": ROUTES["openpi"], "also_at": "/", "encoding": "msgpack-numpy"},
             },
             "camera_aliases": self.settings.camera_aliases,
+            "keep_warm": self.keep_warm.stats(),
             # What vlaserve_client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
             "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
         }
@@ -193,12 +200,14 @@ class Service:
         errors = {id(r): e for job, outcome in zip(jobs, done) for r, e in zip(job, outcome) if e is not None}
         return [api_error(errors[id(r)], in_request_body) if id(r) in errors else r for r in requests]
 
-    async def infer(self, request: Request, in_request_body: bool):
+    async def infer(self, request: Request, in_request_body: bool, rehearsal: Callable[[], bool] | None = None):
         """Prepares, queues and runs one request. Returns the InferenceResult; its timings hold
-        queue_ms and the model stages."""
-        return (await self.infer_many([request], in_request_body))[0]
+        queue_ms and the model stages. `rehearsal`: the route's event-loop work for this request,
+        rehearsed with --keep-warm (server/warm.py) when all of it ran on the event loop."""
+        return (await self.infer_many([request], in_request_body, rehearsal=rehearsal))[0]
 
-    async def infer_many(self, requests: list, in_request_body: bool, per_item_errors: bool = False) -> list:
+    async def infer_many(self, requests: list, in_request_body: bool, per_item_errors: bool = False,
+                         rehearsal: Callable[[], bool] | None = None) -> list:
         """Prepares, queues and runs requests (an ApiError in the list stands for an item already
         refused). The prepared ones are queued as one group, so B of them fill batches up to the
         batch limit (more than the limit: several batches). Returns one InferenceResult per request;
@@ -206,7 +215,7 @@ class Service:
         failure is raised."""
         started = time.perf_counter()
         try:
-            prepared, futures, prepared_at = await self._prepare_and_queue(requests, in_request_body)
+            prepared, futures, prepared_at = await self._prepare_and_queue(requests, in_request_body, rehearsal)
         except BatcherClosed as e:
             raise ApiError(503, "shutting_down", str(e)) from None
         ready = [r for r in prepared if isinstance(r, Request)]
@@ -229,7 +238,8 @@ class Service:
             self.metrics.first_action()
         return results
 
-    async def _prepare_and_queue(self, requests: list, in_request_body: bool) -> tuple[list, list, float]:
+    async def _prepare_and_queue(self, requests: list, in_request_body: bool,
+                                 rehearsal: Callable[[], bool] | None = None) -> tuple[list, list, float]:
         """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
         ones' futures, when preparing ended). A lone request of raw frames (a robot's) is prepared and
         queued right here; another lone one (PNG / JPEG to decode, frames to resize on the host) by
@@ -247,6 +257,8 @@ class Service:
             # hop to a worker and its wake-up. Robots sending at once still batch together: the
             # batcher waits for clients due back (batcher.COMPANY_WAIT_S).
             error, futures, prepared_at = _prepare_and_queue_one(*args)
+            if error is None and rehearsal is not None:  # this request's host path ran here, on the event loop
+                self.keep_warm.schedule(rehearsal, self.batcher.clock, (1, todo[0].num_steps, todo[0].cuda_graph))
         else:
             error, futures, prepared_at = await self.workers.in_thread(_prepare_and_queue_one, *args)
         prepared = [api_error(error, in_request_body) if r is todo[0] and error is not None else r for r in requests]
@@ -269,18 +281,19 @@ class Service:
             raise outcome
         return ApiError(500, "internal_error", "inference failed; see the server log")  # the batcher logged it
 
-    async def generate(self, body, started: float, msgpack_response: bool,
-                       client: object = None) -> tuple[Generation, list, dict]:
+    async def generate(self, body, started: float, msgpack_response: bool, client: object = None,
+                       rehearsal: Callable[[], bool] | None = None) -> tuple[Generation, list, dict]:
         """Validates a /v1 request body and runs it. Returns the request, one InferenceResult per
         observation (an ApiError for an item of a batch that failed) and the timings so far (decode,
-        queue, model stages: a batch's slowest item's). `client`: the connection it came on."""
+        queue, model stages: a batch's slowest item's). `client`: the connection it came on;
+        `rehearsal`: as `infer`'s."""
         generation = parse_generation(body, self.identity, self.layout, msgpack_response, self.action_shape)
         for request in generation.requests:
             if isinstance(request, Request):
                 request.client = client
         timings = {"decode_ms": ms_since(started)}
         results = await self.infer_many(generation.requests, in_request_body=True,
-                                        per_item_errors=generation.batched)
+                                        per_item_errors=generation.batched, rehearsal=rehearsal)
         answered = [r for r in results if not isinstance(r, ApiError)]
         for key in ("queue_ms", *MODEL_STAGES):
             values = [r.timings[key] for r in answered if key in r.timings]
@@ -289,6 +302,32 @@ class Service:
         return generation, results, timings
 
     def reply(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
+        """The response body, its stages observed in the metrics."""
+        body = self.reply_body(generation, results, timings, started)
+        self.metrics.observe_stages(timings)
+        return body
+
+    def rehearse_generation(self, payload: bytes) -> bool:
+        """Keep-warm's rehearsal (server/warm.py) of what a /v1 route runs on the event loop for a msgpack
+        body of one observation of raw frames: decoding, validating and preparing it, building and encoding
+        its reply; nothing of it is kept, queued, counted or sent. Zero noise: no draw from any generator.
+        (A body decoded by a worker thread is not rehearsed here.)"""
+        body = decode_in_place(payload)
+        if body is NOT_IN_PLACE:
+            return False
+        generation = parse_generation(body, self.identity, self.layout, True, self.action_shape)
+        request = generation.requests[0]
+        request.noise, request.seed = np.zeros(self.policy.preprocessor.noise_shape, dtype=np.float32), None
+        self.policy.prepare(request)
+        shape = self.action_shape
+        timings = {name: 0.0 for name in (*MODEL_STAGES, *HOST_STAGES)}
+        result = InferenceResult(np.zeros((shape["action_horizon"], shape["action_dim"]), dtype=np.float32),
+                                 np.zeros(self.policy.preprocessor.noise_shape, dtype=np.float32),
+                                 {**timings, "batch_size": 1})
+        packb(self.reply_body(generation, [result], {"decode_ms": 0.0, **timings}, time.perf_counter()))
+        return True
+
+    def reply_body(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
         """The response body. `encode_ms` covers converting the actions to their wire form; the final
         serialization of the body follows the timings it contains, so it can't be in them."""
         encode_start = time.perf_counter()
@@ -297,7 +336,6 @@ class Service:
         values = [a if a is None or generation.output_format == "numpy" else a.tolist() for a in actions]
         timings["encode_ms"] = ms_since(encode_start)
         timings["total_ms"] = ms_since(started)
-        self.metrics.observe_stages(timings)
         answered = [r for r in results if not isinstance(r, ApiError)]
         if generation.response_format == "raw":
             server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms") if k in timings}

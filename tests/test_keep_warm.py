@@ -1,0 +1,152 @@
+"""Keep-warm (server/warm.py, `--keep-warm`): a lone robot's host path rehearsed on the event loop shortly
+before its batch is predicted to end. What it must never do is change a thing: answers, the global random
+generator, the metrics. When it runs is the batcher's device clock's prediction; one is pending at most."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from openpi_client import msgpack_numpy
+
+from vlaserve.batcher import DeviceClock
+from vlaserve.server import ServerSettings, create_app
+from vlaserve.server.openpi import rehearse
+from vlaserve.server.service import Service
+from vlaserve.server.warm import LEAD_S, KeepWarm
+
+SHAPE = (1, 10, True)
+
+
+def observation(seed: int, with_noise: bool = True) -> dict:
+    rng = np.random.default_rng(seed)
+    obs = {f"observation/{cam}": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+           for cam in ("image", "wrist_image")}
+    obs.update({"observation/state": rng.standard_normal(14).astype(np.float32), "prompt": "pick up the red block"})
+    if with_noise:
+        obs["noise"] = rng.standard_normal((50, 32)).astype(np.float32)
+    return obs
+
+
+def clock_with(device_ms: float) -> DeviceClock:
+    clock = DeviceClock()
+    clock.launched(SHAPE, 0.0, 0.0, asynchronous=True)
+    clock.finished(SHAPE, device_ms)
+    return clock
+
+
+def openpi_frame(obs: dict) -> bytes:
+    return msgpack_numpy.packb(obs)
+
+
+def v1_body(obs: dict) -> bytes:
+    observation = {"images": {k.removeprefix("observation/"): v for k, v in obs.items() if "image" in k},
+                   "state": obs["observation/state"], "noise": obs["noise"]}
+    return msgpack_numpy.packb({"input": {"task": obs["prompt"], "observation": observation}})
+
+
+def serve(policy, keep_warm: bool, route: str, frames: list[dict]) -> tuple[list[np.ndarray], dict]:
+    """Each frame's actions from a lone client on `route`, and the keep-warm stats. With keep-warm, each
+    answer is followed by waiting for its frame's rehearsal (a rehearsal predicted after the answer
+    still runs: only the next frame's replaces it), so that every frame from the second on is rehearsed."""
+    with TestClient(create_app(policy, ServerSettings(keep_warm=keep_warm))) as client:
+        def stats() -> dict:
+            return client.get("/v1/actions/metadata").json()["keep_warm"]
+
+        def rehearsed(i: int) -> None:
+            deadline = time.monotonic() + 30
+            while keep_warm and stats()["rehearsals"] < i and time.monotonic() < deadline:
+                time.sleep(0.01)
+        answers = []
+        if route == "http":
+            for i, obs in enumerate(frames):
+                response = client.post("/v1/actions/generations", content=v1_body(obs),
+                                       headers={"Content-Type": "application/msgpack"})
+                answers.append(msgpack_numpy.unpackb(response.content)["data"][0]["action"]["values"])
+                rehearsed(i)
+            return answers, stats()
+        path, encode = {"openpi": ("/openpi/policy", openpi_frame), "realtime": ("/v1/actions/realtime", v1_body)}[route]
+        with client.websocket_connect(path) as ws:
+            ws.receive_bytes()
+            for i, obs in enumerate(frames):
+                ws.send_bytes(encode(obs))
+                reply = msgpack_numpy.unpackb(ws.receive_bytes())
+                answers.append(reply["actions"] if route == "openpi" else reply["data"][0]["action"]["values"])
+                rehearsed(i)
+        return answers, stats()
+
+
+@pytest.mark.parametrize("route", ["openpi", "realtime", "http"])
+def test_a_lone_robots_answers_are_the_same_with_keep_warm_and_its_frames_are_rehearsed(golden_policy, route):
+    frames = [observation(i) for i in range(3)]
+    plain, plain_stats = serve(golden_policy, False, route, frames)
+    warm, warm_stats = serve(golden_policy, True, route, frames)
+    assert plain_stats == {"enabled": False, "rehearsals": 0}
+    # The first frame's batch shape has no device time yet: every later frame is rehearsed once.
+    assert warm_stats == {"enabled": True, "rehearsals": len(frames) - 1}
+    for a, b in zip(plain, warm):
+        assert np.array_equal(a, b)
+
+
+def test_a_rehearsal_draws_no_noise_and_counts_nothing(golden_policy):
+    service = Service(golden_policy, ServerSettings())
+    obs = observation(5)
+    for rehearsal in (functools.partial(rehearse, openpi_frame(obs), service),
+                      functools.partial(service.rehearse_generation, v1_body(obs))):
+        rng_before = torch.random.get_rng_state()
+        metrics_before = [(s.name, s.labels, s.value) for m in service.metrics.registry.collect() for s in m.samples]
+        assert rehearsal() is True
+        assert torch.equal(torch.random.get_rng_state(), rng_before)
+        assert [(s.name, s.labels, s.value) for m in service.metrics.registry.collect()
+                for s in m.samples] == metrics_before
+
+
+def test_a_frame_decoded_off_the_event_loop_is_not_rehearsed(golden_policy):
+    service = Service(golden_policy, ServerSettings())
+    obs = observation(6)
+    # Pixels as nested lists: more maps and lists than decode_in_place takes (bodies.INLINE_MSGPACK_CONTAINERS).
+    nested = msgpack_numpy.packb({**obs, "observation/image": obs["observation/image"].tolist()})
+    assert rehearse(nested, service) is False
+
+
+def test_a_rehearsal_is_due_lead_before_the_predicted_end_and_one_is_pending_at_most():
+    async def scenario():
+        loop, ran = asyncio.get_running_loop(), []
+        warm, clock = KeepWarm(enabled=True), clock_with(device_ms=30.0)
+        scheduled_at = loop.time()
+        warm.schedule(lambda: ran.append("first") or True, clock, SHAPE)
+        when = warm._pending.when()
+        assert when - scheduled_at == pytest.approx(clock.launch_s + 0.030 - LEAD_S, abs=0.005)
+        warm.schedule(lambda: ran.append("second") or True, clock, SHAPE)  # the next request's replaces it
+        warm.schedule(lambda: ran.append("unknown shape") or True, clock, (2, 10, True))  # no device time yet: none
+        await asyncio.sleep(0.1)
+        assert ran == ["second"] and warm.rehearsals == 1
+        off = KeepWarm(enabled=False)
+        off.schedule(lambda: ran.append("off") or True, clock, SHAPE)
+        await asyncio.sleep(0.05)
+        assert ran == ["second"] and off._pending is None
+    asyncio.run(scenario())
+
+
+def test_a_failing_rehearsal_is_logged_and_turns_keep_warm_off(caplog):
+    async def scenario():
+        warm, clock, ran = KeepWarm(enabled=True), clock_with(device_ms=3.0), []
+
+        def broken():
+            ran.append(1)
+            raise RuntimeError("a rehearsal bug")
+        warm.schedule(broken, clock, SHAPE)
+        await asyncio.sleep(0.05)
+        warm.schedule(broken, clock, SHAPE)
+        await asyncio.sleep(0.05)
+        return warm, ran
+    with caplog.at_level(logging.ERROR, logger="vlaserve.server.warm"):
+        warm, ran = asyncio.run(scenario())
+    assert ran == [1] and warm.stats() == {"enabled": False, "rehearsals": 0}
+    assert [r.message for r in caplog.records] == ["keep-warm: a rehearsal failed; keep-warm is off from now on"]
