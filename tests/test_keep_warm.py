@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from vlaserve.batcher import DeviceClock
 from vlaserve.server import ServerSettings, create_app
 from vlaserve.server.openpi import rehearse
 from vlaserve.server.service import Service
+from vlaserve.server import warm as warm_module
 from vlaserve.server.warm import LEAD_S, KeepWarm
 
 SHAPE = (1, 10, True)
@@ -51,47 +51,48 @@ def v1_body(obs: dict) -> bytes:
     return msgpack_numpy.packb({"input": {"task": obs["prompt"], "observation": observation}})
 
 
-def serve(policy, keep_warm: bool, route: str, frames: list[dict]) -> tuple[list[np.ndarray], dict]:
-    """Each frame's actions from a lone client on `route`, and the keep-warm stats. With keep-warm, each
-    answer is followed by waiting for its frame's rehearsal (a rehearsal predicted after the answer
-    still runs: only the next frame's replaces it), so that every frame from the second on is rehearsed."""
+def serve(policy, keep_warm: bool, route: str, frames: list[dict]) -> tuple[list[np.ndarray], list[dict]]:
+    """Each frame's actions from a lone client on `route`, and the keep-warm stats after each answer."""
     with TestClient(create_app(policy, ServerSettings(keep_warm=keep_warm))) as client:
-        def stats() -> dict:
-            return client.get("/v1/actions/metadata").json()["keep_warm"]
-
-        def rehearsed(i: int) -> None:
-            deadline = time.monotonic() + 30
-            while keep_warm and stats()["rehearsals"] < i and time.monotonic() < deadline:
-                time.sleep(0.01)
-        answers = []
+        answers, stats = [], []
         if route == "http":
-            for i, obs in enumerate(frames):
+            for obs in frames:
                 response = client.post("/v1/actions/generations", content=v1_body(obs),
                                        headers={"Content-Type": "application/msgpack"})
                 answers.append(msgpack_numpy.unpackb(response.content)["data"][0]["action"]["values"])
-                rehearsed(i)
-            return answers, stats()
+                stats.append(client.get("/v1/actions/metadata").json()["keep_warm"])
+            return answers, stats
         path, encode = {"openpi": ("/openpi/policy", openpi_frame), "realtime": ("/v1/actions/realtime", v1_body)}[route]
         with client.websocket_connect(path) as ws:
             ws.receive_bytes()
-            for i, obs in enumerate(frames):
+            for obs in frames:
                 ws.send_bytes(encode(obs))
                 reply = msgpack_numpy.unpackb(ws.receive_bytes())
                 answers.append(reply["actions"] if route == "openpi" else reply["data"][0]["action"]["values"])
-                rehearsed(i)
-        return answers, stats()
+                stats.append(client.get("/v1/actions/metadata").json()["keep_warm"])
+        return answers, stats
 
 
 @pytest.mark.parametrize("route", ["openpi", "realtime", "http"])
-def test_a_lone_robots_answers_are_the_same_with_keep_warm_and_its_frames_are_rehearsed(golden_policy, route):
+def test_a_lone_robots_answers_are_the_same_with_keep_warm_and_its_frames_are_rehearsed(golden_policy, route,
+                                                                                        monkeypatch):
+    # Due at once (a lead longer than any device time), so each runs before its answer: on this CPU one
+    # due shortly before the predicted end may come after the answer, which drops it.
+    monkeypatch.setattr(warm_module, "LEAD_S", 60.0)
     frames = [observation(i) for i in range(3)]
     plain, plain_stats = serve(golden_policy, False, route, frames)
     warm, warm_stats = serve(golden_policy, True, route, frames)
-    assert plain_stats == {"enabled": False, "rehearsals": 0}
-    # The first frame's batch shape has no device time yet: every later frame is rehearsed once.
-    assert warm_stats == {"enabled": True, "rehearsals": len(frames) - 1}
+    assert plain_stats == [{"enabled": False, "rehearsals": 0, "pending": False}] * len(frames)
+    # The first frame's batch shape has no device time yet: every later frame is rehearsed, before its answer.
+    assert warm_stats == [{"enabled": True, "rehearsals": i, "pending": False} for i in range(len(frames))]
     for a, b in zip(plain, warm):
         assert np.array_equal(a, b)
+
+
+def test_a_rehearsal_due_after_its_answer_is_dropped(golden_policy, monkeypatch):
+    monkeypatch.setattr(warm_module, "LEAD_S", -60.0)  # each one due a minute after its batch's predicted end
+    _, stats = serve(golden_policy, True, "openpi", [observation(i) for i in range(3)])
+    assert stats == [{"enabled": True, "rehearsals": 0, "pending": False}] * 3
 
 
 def test_a_rehearsal_draws_no_noise_and_counts_nothing(golden_policy):
@@ -148,5 +149,5 @@ def test_a_failing_rehearsal_is_logged_and_turns_keep_warm_off(caplog):
         return warm, ran
     with caplog.at_level(logging.ERROR, logger="vlaserve.server.warm"):
         warm, ran = asyncio.run(scenario())
-    assert ran == [1] and warm.stats() == {"enabled": False, "rehearsals": 0}
+    assert ran == [1] and warm.stats() == {"enabled": False, "rehearsals": 0, "pending": False}
     assert [r.message for r in caplog.records] == ["keep-warm: a rehearsal failed; keep-warm is off from now on"]

@@ -223,6 +223,7 @@ class Service:
         if ready:
             with self.metrics.in_flight.track_inprogress():
                 done = await asyncio.gather(*futures, return_exceptions=True)
+            self.keep_warm.cancel()  # a rehearsal still pending now would only delay the answer, or the next frame
             outcomes = {id(r): outcome for r, outcome in zip(ready, done)}
         results = []
         for item in prepared:

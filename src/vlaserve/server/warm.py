@@ -10,8 +10,10 @@ the batch is predicted to end, on the frame just served: decoded again, its requ
 (with zero noise: nothing is drawn from the global generator) and a reply of zeros encoded. Nothing is
 queued, kept, counted or sent.
 
-At most one rehearsal is pending (a later one replaces it); a shape whose device time is not known yet
-(its first batch) schedules none; one that raises is logged and switches keep-warm off.
+At most one rehearsal is pending: a later one replaces it, and an answer coming back drops it (run after
+the answer, it could only delay the reply or the next frame: a device time over-predicted). A shape whose
+device time is not known yet (its first batch) schedules none; a rehearsal that raises is logged and
+switches keep-warm off.
 """
 
 from __future__ import annotations
@@ -66,4 +68,4 @@ class KeepWarm:
         self.rehearsals += bool(rehearsed)
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "rehearsals": self.rehearsals}
+        return {"enabled": self.enabled, "rehearsals": self.rehearsals, "pending": self._pending is not None}
