@@ -9,6 +9,8 @@ import torch
 from conftest import golden_dir
 from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 from vlaserve.processing.images import bytes_to_model_range, finish_frame, prepare_image
+from vlaserve.processing.prepare import into_buffers
+from vlaserve.runtime.fast.buffers import BufferSpec
 
 CASES = case_dirs(golden_dir())
 
@@ -170,5 +172,30 @@ def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_dev
             device_images = to_device(inputs, torch.device("cpu")).images
             assert device_images.is_contiguous()
             assert torch.equal(device_images, expected.expand(len(batch), *expected.shape))
+            # The fast path's way up: straight into its static buffers (stale values there before).
+            buffers = BufferSpec.of(golden_policy.config, len(batch), torch.float32, inputs.tokens.shape[1]).allocate("cpu")
+            for buffer in buffers.values():
+                buffer.fill_(True) if buffer.dtype == torch.bool else buffer.fill_(7)
+            into_buffers(inputs, buffers)
+            assert torch.equal(buffers["images"], device_images)
+            for name in ("image_masks", "tokens", "token_mask"):
+                assert torch.equal(buffers[name], getattr(inputs, name))
     finally:
         pre.defer_resize = deferred
+
+
+def test_float_images_and_a_state_go_straight_into_the_buffers_as_they_are(golden_policy):
+    """Float images (sent normalized, or a batch mixing them with bytes) are copied as they are; Pi0's
+    state too (its buffers have one)."""
+    from vlaserve.processing.prepare import to_device
+    from vlaserve.types import ModelInputs
+
+    rng = np.random.default_rng(3)
+    images = torch.from_numpy(rng.uniform(-1, 1, (2, 3, 3, 224, 224)).astype(np.float32))
+    inputs = ModelInputs(images, torch.tensor([[True, True, False]] * 2), torch.arange(96).repeat(2, 1),
+                         torch.ones(2, 96, dtype=torch.bool), torch.from_numpy(rng.standard_normal((2, 32)).astype(np.float32)))
+    buffers = BufferSpec.of(golden_policy.config, 2, torch.float32, 96, state_dim=32).allocate("cpu")
+    into_buffers(inputs, buffers)
+    moved = to_device(inputs, torch.device("cpu"))
+    for name in ("images", "image_masks", "tokens", "token_mask", "state"):
+        assert torch.equal(buffers[name], getattr(moved, name))

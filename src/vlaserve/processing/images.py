@@ -86,16 +86,19 @@ def resize_bytes(frame: torch.Tensor, target: int) -> torch.Tensor:
 _BYTE_SCALE: dict[torch.device, torch.Tensor] = {}  # 255 as a 0-dim float32 tensor, per device
 
 
-def bytes_to_model_range(pixels: torch.Tensor) -> torch.Tensor:
+def bytes_to_model_range(pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 pixels -> float32 in [-1, 1]: the reference's `uint8 / 255.0` (LeRobot divides on the
     host: a true IEEE division in float32), then * 2 - 1, bit for bit on any device. The divisor is
     a tensor on the pixels' device, not a Python number: CUDA torch divides by a number through its
     rounded reciprocal, which is 1 ulp off the division for 126 of the 256 byte values (111 of them
-    still after * 2 - 1)."""
+    still after * 2 - 1). `out`: a float32 tensor of the pixels' shape to write into (any strides:
+    the pixels are read as they lie), else a new one."""
     scale = _BYTE_SCALE.get(pixels.device)
     if scale is None:  # torch.full: a fill on the device's stream, no copy that would wait for it
         scale = _BYTE_SCALE.setdefault(pixels.device, torch.full((), 255.0, device=pixels.device))
-    return pixels.float() / scale * 2.0 - 1.0
+    # The division converts the bytes to float32 (exactly) as it reads them; * 2 is exact.
+    quotient = torch.div(pixels, scale) if out is None else torch.div(pixels, scale, out=out)
+    return quotient.mul_(2.0).sub_(1.0)
 
 
 def finish_frame(frame: torch.Tensor, target: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..errors import InvalidObservation, InvalidRequest
 from ..model.rtc import RTCGuidance, rtc_prefix_weights
 from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
 from .encoded import decode_image
-from .images import bytes_to_model_range, empty_image, place_frames, prepare_image
+from .images import bytes_to_model_range, empty_image, finish_frame, place_frames, prepare_image
 from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer
 
@@ -217,6 +217,24 @@ def to_device(inputs: ModelInputs, device) -> ModelInputs:
     state = None if inputs.state is None else inputs.state.to(device, non_blocking=True)
     return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
                                  (inputs.image_masks, inputs.tokens, inputs.token_mask)), state)
+
+
+def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
+    """`to_device`, written straight into a runner's static device buffers (`images`, `image_masks`,
+    `tokens`, `token_mask`, and `state` where the model takes one): the same values, each input copied up
+    once into its buffer, and the bytes converted as they are written into `images` (a lone request: 8
+    device operations instead of 15). Inputs already on the device are copied across the same way."""
+    images = buffers["images"]
+    if inputs.images.dtype == torch.uint8:
+        bytes_to_model_range(inputs.images.to(images.device, non_blocking=True), out=images)
+    else:
+        images.copy_(inputs.images, non_blocking=True)
+    for item, slot, frame in inputs.pending:
+        images[item, slot] = finish_frame(frame.to(images.device, non_blocking=True), images.shape[-1])
+    for name in ("image_masks", "tokens", "token_mask"):
+        buffers[name].copy_(getattr(inputs, name), non_blocking=True)
+    if inputs.state is not None:
+        buffers["state"].copy_(inputs.state, non_blocking=True)
 
 
 def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -80,6 +80,7 @@ class EagerRunner:
 
     @torch.no_grad()
     def launch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True):
+        inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
         t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked; no graphs)
         if prefix is not None:
             kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
@@ -355,7 +356,8 @@ class Runtime:
                use_cache: list[bool] | None = None, graphs: bool = True) -> "Launched":
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on
         work already running (inputs go up from host memory without a stream sync, the actions come
-        back into pinned memory, and an event marks when they are there). `use_cache`: per item,
+        back into pinned memory, and an event marks when they are there; the runner moves the inputs
+        itself: the fast path straight into its static buffers). `use_cache`: per item,
         whether it may use the prefix cache (default all); `graphs=False`: no graph replay."""
         cache = self.prefix_cache
         if use_cache is not None and not any(use_cache):
@@ -375,7 +377,6 @@ class Runtime:
             # non_blocking: a plain copy would wait for the batch the device is still running.
             if rtc is not None:
                 rtc = RTCGuidance(*(t.to(self.device, non_blocking=True) for t in (rtc.prev, rtc.weights, rtc.max_weight)))
-            inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
             actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots,
                                             graphs=graphs)

@@ -22,6 +22,7 @@ import torch
 from ...config import PolicyConfig
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance
+from ...processing.prepare import into_buffers, to_device
 from ...types import ModelInputs
 from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
@@ -391,7 +392,8 @@ class FastRunner:
         """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
         next call overwrites in stream order; its stage times). Nothing here waits for the device.
 
-        `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
+        `inputs`, `noise`: on the host (Runtime.launch: each goes up once, into its static buffer) or
+        the device. `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP).
         `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor
         padded. A batch size without graphs for this shape runs as captured ones (`route`)."""
@@ -407,6 +409,8 @@ class FastRunner:
             out, times = self._launch(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
             self._last_rows = [(self._last, i) for i in range(b)]
             return out, times
+        if inputs.pending:  # frames still to resize are placed before the batch is cut into parts
+            inputs = to_device(inputs, self.device)
         return self._launch_parts(parts, inputs, noise, num_steps, rtc, prefix, vision_slots)
 
     def _launch_parts(self, parts: list[tuple[int, int]], inputs, noise, num_steps, rtc, prefix, vision_slots):
@@ -440,11 +444,8 @@ class FastRunner:
         b, token_len = inputs.tokens.shape
         buf = self.buffers(b, token_len)
         if prefix is None:
-            for name in ("images", "image_masks", "tokens", "token_mask"):
-                buf[name].copy_(getattr(inputs, name))
-            if self.state_dim:
-                buf["state"].copy_(inputs.state)
-        buf["noise"].copy_(noise)
+            into_buffers(inputs, buf)
+        buf["noise"].copy_(noise, non_blocking=True)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
         start, mid, end = self._events()
         # Still running: this call is launched behind it, and the gap between them is measured. (The
@@ -454,7 +455,7 @@ class FastRunner:
         if prefix is not None:
             self.restore_prefix(buf, prefix)
             if self.state_dim:  # the cache holds the prefix only: Pi0's state token is this call's
-                buf["state"].copy_(inputs.state)
+                buf["state"].copy_(inputs.state, non_blocking=True)
                 plen = self._prefix_len(buf)
                 buf["pad"].copy_(self.fast.state_token(buf["state"], buf["pad"][:, :plen], buf["k_cache"],
                                                        buf["v_cache"]))
