@@ -184,6 +184,31 @@ def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_dev
         pre.defer_resize = deferred
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
+def test_on_a_gpu_the_buffers_get_the_hosts_model_inputs(golden_policy):
+    """A robot's batch of raw frames (one to resize, one absent camera) written into CUDA buffers, as the fast
+    path does, holds exactly what the host computes for it."""
+    from vlaserve.processing.prepare import to_device
+
+    rng = np.random.default_rng(11)
+    frames = {"base_0_rgb": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+              "left_wrist_0_rgb": rng.integers(0, 256, (180, 320, 3), dtype=np.uint8)}
+    state = np.zeros(golden_policy.config.state_dim, dtype=np.float32)
+    pre = golden_policy.preprocessor
+    deferred, pre.defer_resize = pre.defer_resize, True
+    try:
+        requests = [golden_policy.request({"images": frames, "state": state, "task": "t"}, seed=i) for i in range(2)]
+        inputs, _, _ = pre.collate(requests)
+    finally:
+        pre.defer_resize = deferred
+    assert inputs.images.dtype == torch.uint8 and inputs.pending
+    buffers = BufferSpec.of(golden_policy.config, 2, torch.bfloat16, inputs.tokens.shape[1]).allocate("cuda")
+    into_buffers(inputs, buffers)
+    host = to_device(inputs, torch.device("cpu"))
+    for name in ("images", "image_masks", "tokens", "token_mask"):
+        assert torch.equal(buffers[name].cpu(), getattr(host, name)), name
+
+
 def test_float_images_and_a_state_go_straight_into_the_buffers_as_they_are(golden_policy):
     """Float images (sent normalized, or a batch mixing them with bytes) are copied as they are; Pi0's
     state too (its buffers have one)."""
