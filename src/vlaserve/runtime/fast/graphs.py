@@ -409,8 +409,9 @@ class FastRunner:
             out, times = self._launch(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
             self._last_rows = [(self._last, i) for i in range(b)]
             return out, times
-        if inputs.pending:  # frames still to resize are placed before the batch is cut into parts
-            inputs = to_device(inputs, self.device)
+        # Cut into parts and padded on the device (a padded batch repeats rows of every input: on the
+        # host, a transposing copy of its frames), its pending frames placed first.
+        inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
         return self._launch_parts(parts, inputs, noise, num_steps, rtc, prefix, vision_slots)
 
     def _launch_parts(self, parts: list[tuple[int, int]], inputs, noise, num_steps, rtc, prefix, vision_slots):
