@@ -354,6 +354,26 @@ def test_read_only_arrays_are_accepted_without_warnings(golden_policy):
         assert np.isfinite(golden_policy.infer(obs, seed=0).actions).all()
 
 
+@pytest.mark.parametrize("through", ["vlaserve", "torch"])
+def test_the_first_read_only_frame_of_a_process_warns_nowhere(through):
+    """Torch warns once per process when handed a read-only array; a fresh process shows that the frames'
+    path takes that first warning (warnings are errors there), and that without it torch would warn."""
+    import subprocess
+    import sys
+
+    call = "to_chw_tensor(a, 'f')" if through == "vlaserve" else "torch.from_numpy(a)"
+    code = ("import warnings, numpy as np, torch\n"
+            "from vlaserve.processing.images import to_chw_tensor\n"
+            "warnings.simplefilter('error')\n"
+            "a = np.zeros((4, 4, 3), np.uint8); a.flags.writeable = False\n"
+            f"for _ in range(2): {call}\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if through == "vlaserve":
+        assert run.returncode == 0, run.stderr
+    else:
+        assert run.returncode != 0 and "not writable" in run.stderr
+
+
 def test_per_request_prefix_cache_and_graph_flags_reach_the_runtime(golden):
     """runtime.prefix_cache false: that item is neither looked up nor stored, the others are;
     runtime.cuda_graph false reaches the runner as graphs=False (the eager runner has none to skip)."""

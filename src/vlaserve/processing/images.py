@@ -37,20 +37,34 @@ def to_chw_tensor(image, field: str) -> torch.Tensor:
         raise InvalidObservation(field, f"image sides must be at most {MAX_IMAGE_SIDE} pixels, "
                                         f"got {image.shape[1]}x{image.shape[2]}")
     if image.dtype == np.uint8:
-        # A view, no copy: the batch's stack (or the resize) copies it once. Arrays decoded from
-        # msgpack are read-only views of the payload; nothing here writes into them (torch warns
-        # about that possibility once per process, so the warning is not shown).
+        # A view, no copy: the batch's stack (or the resize) copies it once.
         if any(stride < 0 for stride in image.strides):  # e.g. a flipped array: torch takes no negative strides
             image = np.ascontiguousarray(image)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(image)
+        return _view_of_bytes(image)
     if image.dtype.kind != "f":
         raise InvalidObservation(field, f"expected uint8 or float pixels, got {image.dtype}")
     image = image.astype(np.float32, copy=not image.flags.writeable)
     if not np.isfinite(image).all():
         raise InvalidObservation(field, "image contains NaN or inf")
     return torch.from_numpy(np.ascontiguousarray(image))
+
+
+_read_only_warning_taken = False
+
+
+def _view_of_bytes(image: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy of a uint8 array that may be read-only (arrays decoded from msgpack are views of
+    the payload). Nothing here writes into it, so the warning torch gives about that, once per process,
+    is not shown: it is taken under catch_warnings the first time only (catch_warnings swaps the
+    process's filters, not thread-safely, and costs microseconds on every frame)."""
+    global _read_only_warning_taken
+    if image.flags.writeable or _read_only_warning_taken:
+        return torch.from_numpy(image)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.from_numpy(image)
+    _read_only_warning_taken = True
+    return view
 
 
 def resized_shape(height: int, width: int, target: int) -> tuple[int, int]:
