@@ -17,7 +17,7 @@ share around it (the OpenPI socket's prev_total_ms, frame received -> reply sent
 time), each stage p50 and p99. Per level, where its slowest 1% of answers spent their time, and the
 device time per batch size; per paced level, the floor an ideal batcher would reach on this run's
 batch times and these robots' phases (fleet_model.py): a p99 above it is the server's, a floor above
-a target the device's; with `--serve-args "--keep-warm"`, how many rehearsals ran. Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
+a target the device's; how many keep-warm rehearsals ran (`--serve-args "--no-keep-warm"`: none). Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
 checkpoint on the CPU to 1 and 2 robots for a second each.
 """
 
@@ -264,7 +264,7 @@ def main() -> None:
                 f"captures {level['captures_during']}, uncaptured {level['uncaptured_during']}")
         add_floors(results, int(meta["max_batch_size"]), args.seconds)
         end_meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
-        results["keep_warm"] = end_meta.get("keep_warm")  # --keep-warm: how many rehearsals ran
+        results["keep_warm"] = end_meta.get("keep_warm")  # how many rehearsals ran (server/warm.py)
         log("keep-warm:", results["keep_warm"])
     finally:
         _, results["server_log_tail"] = stop_server(server, log_path)

@@ -17,7 +17,7 @@ thread -> event loop), each alone, and the path from the event loop to the launc
 prepare in between: back through the event loop, or queued by the worker itself (the server's path
 for a lone request). Last, a lone robot's cycle as the event loop lives it (its frame handled, the
 device's batch time asleep, the reply encoded, the robot's own time asleep), without and with keep-warm
-(`--keep-warm`, server/warm.py), in alternating rounds. Every stage: p50 and p99, ms; writes
+(server/warm.py), in alternating rounds. Every stage: p50 and p99, ms; writes
 bench_prepare.json. --smoke: 5 calls each, one round.
 """
 

@@ -56,6 +56,16 @@ def listening_socket() -> socket.socket:
     return s
 
 
+def test_keep_warm_is_on_unless_turned_off_on_the_command_line_or_in_the_config(tmp_path):
+    assert options([])["keep_warm"] is True
+    assert options(["--no-keep-warm"])["keep_warm"] is False
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"keep_warm": False}))
+    assert options(["--config", str(config)])["keep_warm"] is False
+    with pytest.raises(SystemExit):  # a switch that is on already has no --keep-warm
+        build_parser().parse_args(["serve", "--keep-warm"])
+
+
 def test_taken_port_exits_2_before_loading(tmp_path):
     with listening_socket() as taken:
         port = taken.getsockname()[1]

@@ -29,8 +29,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
                                          "is free, with everything queued meanwhile)"),
     "serial_batches": (bool, False, None, "form the next batch only once the last is answered (default: enqueue it "
                                           "on the device while the last one finishes; for measurement)"),
-    "keep_warm": (bool, False, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
-                                     "predicted to end, so its reply and next frame find that code warm"),
+    "keep_warm": (bool, True, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
+                                    "predicted to end, so its reply and next frame find that code warm"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),
@@ -73,11 +73,15 @@ def checkpoint_or_demo(checkpoint: str | None, demo: str | None) -> str:
 
 
 def add_options(parser: argparse.ArgumentParser, options: dict[str, tuple[type, object, str, str]]) -> None:
-    """One --flag per option (name -> type, default, metavar, help); booleans are switches."""
+    """One --flag per option (name -> type, default, metavar, help); booleans are switches: --name turns
+    one that is off by default on, --no-name one that is on by default off."""
     for name, (kind, default, metavar, text) in options.items():
         flag = f"--{name.replace('_', '-')}"
         if kind is bool:
-            parser.add_argument(flag, dest=name, action="store_true", help=text)
+            if default:
+                parser.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false", help=f"do not {text}")
+            else:
+                parser.add_argument(flag, dest=name, action="store_true", help=text)
             continue
         suffix = "" if default is None else f" (default: {default})"
         parser.add_argument(flag, dest=name, type=kind, metavar=metavar, help=text + suffix)

@@ -52,7 +52,7 @@ class ServerSettings:
     max_pending: int = 64
     # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
     overlap: bool = True
-    keep_warm: bool = False  # server/warm.py
+    keep_warm: bool = True  # server/warm.py
 
     @classmethod
     def from_options(cls, options: Mapping) -> "ServerSettings":
