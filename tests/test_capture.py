@@ -71,7 +71,7 @@ def test_route(batch, sizes, parts):
 
 
 def test_capture_warmups_is_validated():
-    assert RuntimeConfig().capture_warmups == "per_kernel"
+    assert RuntimeConfig().capture_warmups == "on_new_kernel"
     with pytest.raises(ConfigError, match="capture_warmups"):
         RuntimeConfig(capture_warmups="twice")
 

@@ -156,11 +156,11 @@ class RuntimeConfig:
     warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's first CUDA graphs are "
                                                 "captured, the rest captured while serving) or blocking (ready "
                                                 "once every one is)")
-    capture_warmups: str = _option("per_kernel", "MODE", "CUDA: warm-up runs before the graph captures: per_kernel "
-                                                         "(one per kernel signature), on_new_kernel (a capture goes "
-                                                         "first; its warm-up runs only if it meets a kernel not "
-                                                         "loaded yet) or per_graph (two before every graph; the "
-                                                         "older way, to compare)")
+    capture_warmups: str = _option("on_new_kernel", "MODE", "CUDA: warm-up runs before the graph captures: "
+                                                            "on_new_kernel (a capture goes first; its warm-up runs "
+                                                            "only if it meets a kernel not loaded yet), per_kernel "
+                                                            "(one per kernel signature) or per_graph (two before "
+                                                            "every graph; the older way, to compare)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
                                                            "runai-streamer (pip install 'vlaserve[runai]')")
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")

@@ -117,8 +117,8 @@ class FastRunner:
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  device_lock=None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton", warmups: str = "per_kernel"):
-        # warmups: RuntimeConfig.capture_warmups ("per_kernel", "on_new_kernel" or "per_graph")
+                 attention_library: str = "triton", warmups: str = "on_new_kernel"):
+        # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph")
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
