@@ -206,24 +206,25 @@ def _stacked_frames(slots: list[torch.Tensor]) -> torch.Tensor:
 
 
 def to_device(inputs: ModelInputs, device) -> ModelInputs:
-    """The batch moved to `device` (Runtime.launch's call) in the layout it has (a dense tensor keeps
-    its strides: one plain copy) and made contiguous there; pending frames are resized there, and
-    uint8 images (kept as bytes by `prepare`) become [-1, 1] floats there."""
-    images = inputs.images.to(device, non_blocking=True).contiguous()
-    if inputs.pending:
-        images = place_frames(images, [((item, slot), frame) for item, slot, frame in inputs.pending])
-    if images.dtype == torch.uint8:
-        images = bytes_to_model_range(images)
-    state = None if inputs.state is None else inputs.state.to(device, non_blocking=True)
-    return ModelInputs(images, *(t.to(device, non_blocking=True) for t in
-                                 (inputs.image_masks, inputs.tokens, inputs.token_mask)), state)
+    """The batch on `device` (the eager runner's, and a fast-path batch cut into parts): `into_buffers`
+    into fresh contiguous tensors, so pending frames are resized there and uint8 images (kept as bytes
+    by `prepare`) become [-1, 1] floats there."""
+    fields = {"images": inputs.images, "image_masks": inputs.image_masks, "tokens": inputs.tokens,
+              "token_mask": inputs.token_mask}
+    if inputs.state is not None:
+        fields["state"] = inputs.state
+    moved = {name: torch.empty(t.shape, dtype=torch.float32 if name == "images" else t.dtype, device=device)
+             for name, t in fields.items()}
+    into_buffers(inputs, moved)
+    return ModelInputs(moved["images"], moved["image_masks"], moved["tokens"], moved["token_mask"], moved.get("state"))
 
 
 def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
-    """`to_device`, written straight into a runner's static device buffers (`images`, `image_masks`,
-    `tokens`, `token_mask`, and `state` where the model takes one): the same values, each input copied up
-    once into its buffer, and the bytes converted as they are written into `images` (a lone request: 8
-    device operations instead of 15). Inputs already on the device are copied across the same way."""
+    """The batch written into device buffers (a fast runner's static ones: `images` float32, `image_masks`,
+    `tokens`, `token_mask`, and `state` where the model takes one): each input copied up once into its
+    buffer, in the layout it has, and the bytes converted as they are written into `images` (a lone
+    request: 8 device operations, where moving it and then copying it into the buffers took 15); pending
+    frames resized there. Inputs already on the device are copied across the same way."""
     images = buffers["images"]
     if inputs.images.dtype == torch.uint8:
         bytes_to_model_range(inputs.images.to(images.device, non_blocking=True), out=images)

@@ -14,8 +14,6 @@ import functools
 import logging
 import time
 
-import numpy as np
-
 from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
@@ -23,7 +21,7 @@ from ..types import Observation, Request
 from .bodies import NOT_IN_PLACE, decode, decode_in_place
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
-from .service import HOST_STAGES, MODEL_STAGES, Service, ms_since, policy_timing
+from .service import Service, ms_since, policy_timing
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +76,13 @@ def request_from_openpi(raw, service: Service) -> Request:
 def rehearse(frame: bytes, service: Service) -> bool:
     """Keep-warm's rehearsal (server/warm.py) of what this socket runs on the event loop for a frame of
     raw camera bytes: decoding it, building and preparing its request, encoding a reply; nothing of it
-    is kept, queued, counted or sent. Zero noise: no draw from the global generator. (A frame decoded
-    by a worker thread is not rehearsed here.)"""
+    is kept, queued, counted or sent. (A frame decoded by a worker thread is not rehearsed here.)"""
     raw = decode_in_place(frame)
     if raw is NOT_IN_PLACE:
         return False
-    request = request_from_openpi(raw, service)
-    request.noise = np.zeros(service.policy.preprocessor.noise_shape, dtype=np.float32)
-    service.policy.prepare(request)
-    shape = service.action_shape
-    timings = {name: 0.0 for name in (*MODEL_STAGES, *HOST_STAGES)}
-    packb({"actions": np.zeros((shape["action_horizon"], shape["action_dim"]), dtype=np.float32),
-           "server_timing": {"infer_ms": 0.0, "prev_total_ms": 0.0},
-           "policy_timing": policy_timing({**timings, "batch_size": 1})})
+    result = service.rehearse_request(request_from_openpi(raw, service))
+    packb({"actions": result.actions, "server_timing": {"infer_ms": 0.0, "prev_total_ms": 0.0},
+           "policy_timing": policy_timing(result.timings)})
     return True
 
 

@@ -97,6 +97,11 @@ class Service:
         self.workers: Workers | None = None
         self.sessions = Sessions()
         self.keep_warm = KeepWarm(settings.keep_warm)
+        # What every rehearsal uses (server/warm.py): zero noise, and a result of zeros to encode as its reply.
+        self._zero_noise = np.zeros(policy.preprocessor.noise_shape, dtype=np.float32)
+        self._zero_result = InferenceResult(
+            np.zeros((m["action_horizon"], m["action_dim"]), dtype=np.float32), self._zero_noise,
+            {**{name: 0.0 for name in (*MODEL_STAGES, *HOST_STAGES)}, "batch_size": 1})
         # Where a websocket handshake is sent instead of being accepted here (a URL), or None to
         # accept it: serve-ray's direct websockets set this (fleet/direct.py).
         self.websocket_redirect: Callable[[Mapping], str | None] | None = None
@@ -308,24 +313,23 @@ class Service:
         self.metrics.observe_stages(timings)
         return body
 
+    def rehearse_request(self, request: Request) -> InferenceResult:
+        """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared as a real
+        one is, with zero noise (no draw from any generator); returns a result of zeros to encode as its reply."""
+        request.noise, request.seed = self._zero_noise, None
+        self.policy.prepare(request)
+        return self._zero_result
+
     def rehearse_generation(self, payload: bytes) -> bool:
-        """Keep-warm's rehearsal (server/warm.py) of what a /v1 route runs on the event loop for a msgpack
-        body of one observation of raw frames: decoding, validating and preparing it, building and encoding
-        its reply; nothing of it is kept, queued, counted or sent. Zero noise: no draw from any generator.
-        (A body decoded by a worker thread is not rehearsed here.)"""
+        """Keep-warm's rehearsal of what a /v1 route runs on the event loop for a msgpack body of one
+        observation of raw frames: decoding, validating and preparing it, building and encoding its reply;
+        nothing of it is kept, queued, counted or sent. (A body decoded by a worker thread is not rehearsed.)"""
         body = decode_in_place(payload)
         if body is NOT_IN_PLACE:
             return False
         generation = parse_generation(body, self.identity, self.layout, True, self.action_shape)
-        request = generation.requests[0]
-        request.noise, request.seed = np.zeros(self.policy.preprocessor.noise_shape, dtype=np.float32), None
-        self.policy.prepare(request)
-        shape = self.action_shape
-        timings = {name: 0.0 for name in (*MODEL_STAGES, *HOST_STAGES)}
-        result = InferenceResult(np.zeros((shape["action_horizon"], shape["action_dim"]), dtype=np.float32),
-                                 np.zeros(self.policy.preprocessor.noise_shape, dtype=np.float32),
-                                 {**timings, "batch_size": 1})
-        packb(self.reply_body(generation, [result], {"decode_ms": 0.0, **timings}, time.perf_counter()))
+        result = self.rehearse_request(generation.requests[0])
+        packb(self.reply_body(generation, [result], {"decode_ms": 0.0, **result.timings}, time.perf_counter()))
         return True
 
     def reply_body(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
