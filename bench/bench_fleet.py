@@ -266,6 +266,8 @@ def main() -> None:
         end_meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         results["keep_warm"] = end_meta.get("keep_warm")  # how many rehearsals ran (server/warm.py)
         log("keep-warm:", results["keep_warm"])
+        results["direct_launch"] = end_meta.get("direct_launch")  # lone requests launched by their own thread
+        log("direct launch:", results["direct_launch"])
     finally:
         _, results["server_log_tail"] = stop_server(server, log_path)
     stem = f"bench_fleet{'_' + args.label if args.label else ''}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -135,6 +136,27 @@ def test_a_rehearsal_is_due_lead_before_the_predicted_end_and_one_is_pending_at_
         await asyncio.sleep(0.05)
         assert ran == ["second"] and off._pending is None
     asyncio.run(scenario())
+
+
+def test_a_rehearsal_for_a_batch_already_launched_is_due_lead_before_its_predicted_end():
+    """A request launched before the rehearsal is scheduled (--direct-launch launches it on the event loop;
+    a quick launch thread may too): its batch's end is the clock's prediction, not a launch from now; timed
+    from now, the rehearsal ran late enough to delay the answer's hand-back (H200, runs 200-202)."""
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        warm, clock = KeepWarm(enabled=True), clock_with(device_ms=30.0)
+        clock.launch_s = 0.010  # a slow launch: a schedule from now would be 10 ms late
+        now = time.perf_counter()
+        clock.launched(SHAPE, now - 0.012, now - 0.002, asynchronous=True)  # launched 2 ms ago, 10 ms to launch
+        scheduled_at = loop.time()
+        warm.schedule(lambda: True, clock, SHAPE)
+        when = warm._pending.when()
+        warm.cancel()
+        return when - scheduled_at, clock.predicted_end() - now
+
+    delay, end_in = asyncio.run(scenario())
+    assert end_in == pytest.approx(0.028, abs=0.001)  # the clock: launched 2 ms ago, 30 ms of device time
+    assert delay == pytest.approx(end_in - LEAD_S, abs=0.005)
 
 
 def test_a_failing_rehearsal_is_logged_and_turns_keep_warm_off(caplog):

@@ -412,3 +412,130 @@ def test_a_group_fills_batches_up_to_the_limit_in_order(golden_policy):
     for i, result in enumerate(results[1:]):
         expected = golden_policy.infer(observation(i), seed=i, num_steps=1).actions
         np.testing.assert_allclose(result.actions, expected, rtol=0, atol=ATOL)
+
+
+class QuickDevice(AsyncDevice):
+    """AsyncDevice whose launches the batcher may make on the submitting thread (`quick`), recording
+    which thread launched each batch."""
+
+    def __init__(self, quick: bool = True):
+        super().__init__()
+        self.quick = quick
+        self.threads: list[str] = []
+
+    def launches_quickly(self, request) -> bool:
+        return self.quick
+
+    def launch(self, requests):
+        self.threads.append(threading.current_thread().name)
+        return super().launch(requests)
+
+
+def _request(seed: int, client=None):
+    from vlaserve.types import Observation, Request
+
+    request = Request(Observation({}, np.zeros(14, np.float32), f"task {seed}"), num_steps=10, seed=seed)
+    request.client = client
+    return request
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_lone_request_on_an_idle_device_is_launched_by_the_thread_that_submits_it(direct):
+    """With direct_launch, a lone request that would run at once is launched by the submitting thread
+    (the event loop here), not the launch thread; answered the same. Off, the launch thread launches it."""
+    device = QuickDevice()
+    batcher = Batcher(device, max_batch_size=8, direct_launch=direct)
+
+    async def scenario():
+        return [await batcher.submit(_request(seed)) for seed in (1, 2, 3)]
+
+    try:
+        answers = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    assert [(a.actions == seed).all() for a, seed in zip(answers, (1, 2, 3))] == [True] * 3
+    here = threading.current_thread().name
+    assert device.threads == ([here] * 3 if direct else ["vlaserve-launch"] * 3)
+    assert batcher.direct_launches == (3 if direct else 0)
+
+
+def test_a_request_is_not_launched_directly_when_the_policy_says_its_launch_is_slow():
+    """The eager model computes inside launch (Policy.launches_quickly false): it stays on the launch thread."""
+    device = QuickDevice(quick=False)
+    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+    try:
+        asyncio.run(batcher.submit(_request(1)))
+    finally:
+        batcher.close()
+    assert device.threads == ["vlaserve-launch"] and batcher.direct_launches == 0
+
+
+def test_requests_arriving_while_a_direct_launch_runs_are_batched_behind_it():
+    """A request launched directly occupies the device like any batch: the ones arriving meanwhile are
+    not launched directly (the device is busy) and wait for it together, as one batch formed by the
+    launch thread once it is done (its device time not known yet: the clock waits for its answers)."""
+    device = QuickDevice()
+    device.holding = True
+    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(batcher.submit(_request(0)))
+        assert await loop.run_in_executor(None, device.launched, 1)
+        rest = [asyncio.ensure_future(batcher.submit(_request(s))) for s in (1, 2)]
+        await asyncio.sleep(0.1)  # the launch thread takes request 1 and must hold it, not launch it
+        launched_early = len(device.batches)
+        device.release_all()
+        return launched_early, await asyncio.gather(first, *rest)
+
+    try:
+        launched_early, answers = asyncio.run(scenario())
+    finally:
+        device.release_all()
+        batcher.close()
+    assert launched_early == 1
+    assert [[r.seed for r in b.requests] for b in device.batches] == [[0], [1, 2]]
+    assert device.threads == [threading.current_thread().name, "vlaserve-launch"]
+    assert [(a.actions == seed).all() for a, seed in zip(answers, (0, 1, 2))] == [True] * 3
+
+
+def test_a_request_is_not_launched_directly_while_another_client_is_due_back():
+    """Two robots back to back: the first of them back after a shared answer must not run alone while
+    the other is due within COMPANY_WAIT_S: it goes through the queue, where the launch thread waits
+    for the other, and they run as one batch (as without direct launch)."""
+    device = QuickDevice()
+    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        # Both robots answered together, then each sends again at once: both become back-to-back clients.
+        for round_ in range(3):
+            await asyncio.gather(batcher.submit(_request(10 * round_, "a")), batcher.submit(_request(10 * round_ + 1, "b")))
+        batches_before = len(device.batches)
+        a = asyncio.ensure_future(batcher.submit(_request(100, "a")))  # b is due back within its think time
+        await asyncio.sleep(0.001)
+        b = asyncio.ensure_future(batcher.submit(_request(101, "b")))
+        await asyncio.gather(a, b)
+        return batches_before
+
+    try:
+        batches_before = asyncio.run(scenario())
+    finally:
+        batcher.close()
+    assert [r.seed for r in device.batches[-1].requests] == [100, 101]
+    assert device.threads[batches_before] == "vlaserve-launch"
+
+
+def test_closing_refuses_new_requests_and_answers_a_direct_launch_made_before():
+    device = QuickDevice()
+    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+
+    async def scenario():
+        answer = await batcher.submit(_request(7))
+        batcher.close()
+        with pytest.raises(BatcherClosed):
+            await batcher.submit(_request(8))
+        return answer
+
+    answer = asyncio.run(scenario())
+    assert (answer.actions == 7).all() and batcher.direct_launches == 1

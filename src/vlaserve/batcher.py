@@ -13,6 +13,11 @@ device goes from one batch to the next without waiting for the host: the next ba
 host-to-device copies overlap the end of this one, and this one's results go back while the next
 runs. A batch of 8 costs far less than 8 calls. `batch_delay_ms` (default 0) is an optional extra
 wait for company after the first request of a batch. `overlap=False` runs one batch at a time.
+
+With `direct_launch`, a lone request that would run at once anyway (nothing on the device, nothing
+queued, no client due back, and a launch the policy says is quick: graphs replayed, no warm-up to wait
+for) is launched by the thread that submits it (the server's event loop, warm from preparing it)
+instead of waking the launch thread: the same batch of one, without the hop and a cold collation.
 """
 
 from __future__ import annotations
@@ -157,6 +162,25 @@ class DeviceClock:
                 self._end = 0.0
             self._cond.notify_all()
 
+    def idle(self) -> bool:
+        """Nothing launched is still running."""
+        with self._cond:
+            return not self._in_flight
+
+    def turn_now(self) -> bool:
+        """What `await_turn` waits for, now: nothing in flight, or one launch predicted to end within
+        the host's launch time plus LAUNCH_MARGIN_S."""
+        with self._cond:
+            return self._turn_in(time.perf_counter()) <= 0
+
+    def _turn_in(self, now: float) -> float:
+        """Seconds until the next batch may be formed (<= 0: now); inf when only a finish can tell."""
+        if not self._in_flight:
+            return 0.0
+        if self._in_flight == 1 and self._end is not None:
+            return self._end - (self.launch_s + LAUNCH_MARGIN_S) - now
+        return float("inf")
+
     def device_s(self, shape: tuple) -> float | None:
         """The smoothed device time of a batch of `shape` (batch size, step count, graphs); None
         before the first one finished."""
@@ -173,19 +197,13 @@ class DeviceClock:
         """Returns once nothing is in flight, or the last launch is predicted to end within the
         host's launch time plus LAUNCH_MARGIN_S (and at most one batch runs: none is queued behind it)."""
         with self._cond:
-            while self._in_flight:
-                if self._in_flight == 1 and self._end is not None:
-                    wait = self._end - (self.launch_s + LAUNCH_MARGIN_S) - time.perf_counter()
-                    if wait <= 0:
-                        return
-                    self._cond.wait(wait)
-                else:
-                    self._cond.wait()
+            while (wait := self._turn_in(time.perf_counter())) > 0:
+                self._cond.wait(None if wait == float("inf") else wait)
 
 
 class Batcher:
     def __init__(self, policy: Policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
-                 on_batch: Callable[[int], None] | None = None, overlap: bool = True):
+                 on_batch: Callable[[int], None] | None = None, overlap: bool = True, direct_launch: bool = False):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if batch_delay_ms < 0:
@@ -195,12 +213,19 @@ class Batcher:
         self.batch_delay_s = batch_delay_ms / 1000.0
         self.on_batch = on_batch
         self.overlap = overlap
+        self.direct_launch = direct_launch
+        self.direct_launches = 0  # lone requests launched by the thread that submitted them
         self.clients = ReturningClients()
         self.clock = DeviceClock()
         self._queue: queue.Queue = queue.Queue()
         self._launched: queue.Queue = queue.Queue()  # (batch, LaunchedBatch, started) in launch order
-        # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
+        # Guards `_closed` together with the put (or a launch in the caller), so nothing can be queued
+        # or launched behind the stop marker.
         self._lock = threading.Lock()
+        # Held by whoever forms and launches a batch: the launch thread, or a caller launching its lone request.
+        self._launching = threading.Lock()
+        # Requests that did not fit the batch being formed (another key, or past the limit), in arrival order.
+        self._held: collections.deque = collections.deque()
         self._closed = False
         self._launcher = threading.Thread(target=self._run, name="vlaserve-launch", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="vlaserve-complete", daemon=True)
@@ -224,8 +249,26 @@ class Batcher:
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the server is shutting down")
-            self._queue.put(pending[0] if len(pending) == 1 else pending)
+            if not (len(pending) == 1 and self._launched_here(pending[0])):
+                self._queue.put(pending[0] if len(pending) == 1 else pending)
         return [p.future for p in pending]
+
+    def _launched_here(self, request: _Pending) -> bool:
+        """Launches a lone request on this thread when the launch thread would launch it alone at once
+        (see the module docstring) -> whether it did. Never waits: a batch being formed holds the lock."""
+        if not (self.direct_launch and not self.batch_delay_s and self.policy.launches_quickly(request.request)):
+            return False
+        if not self._launching.acquire(blocking=False):
+            return False
+        try:
+            if (self._held or not self._queue.empty() or not self.clock.idle()
+                    or self.clients.due(time.perf_counter())):
+                return False
+            self._execute([request])
+            self.direct_launches += 1
+            return True
+        finally:
+            self._launching.release()
 
     def close(self) -> None:
         """Stops taking requests, finishes every queued one, then joins the threads."""
@@ -241,46 +284,61 @@ class Batcher:
         return self._launcher.is_alive() and self._completer.is_alive()
 
     def _run(self) -> None:
-        # Requests that did not fit the current batch (another key, or past the limit), in arrival order.
-        held: collections.deque = collections.deque()
+        held = self._held
         while True:
             self.clock.await_turn() if self.overlap else self._await_idle()
-            first = held.popleft() if held else self._queue.get()
-            if isinstance(first, list):  # a group: its first request leads, the rest wait in line first
-                held.extendleft(reversed(first[1:]))
-                first = first[0]
-            if first is _STOP:
-                self._launched.put(_STOP)
-                return
-            batch = [first]
-            for request in list(held):
-                if len(batch) == self.max_batch_size:
-                    break
-                if request is not _STOP and request.key == first.key:
-                    held.remove(request)
-                    batch.append(request)
-            started = time.perf_counter()
-            deadline = started + self.batch_delay_s
-            company_deadline = started + COMPANY_WAIT_S
-            while len(batch) < self.max_batch_size:
-                now = time.perf_counter()
-                # Everything queued now; then wait only for the extra delay, or for clients due back.
-                wait = max(0.0, deadline - now)
-                if not wait and self.clients.due(now, self.clock.predicted_end()):
-                    wait = max(0.0, company_deadline - now)
-                try:
-                    request = self._queue.get(timeout=wait)
-                except queue.Empty:
-                    break
-                if request is _STOP:
-                    held.append(request)
-                    break
-                for item in request if isinstance(request, list) else [request]:
-                    if item.key == first.key and len(batch) < self.max_batch_size:
-                        batch.append(item)
-                    else:
-                        held.append(item)
-            self._execute(batch)
+            with self._launching:
+                first = held.popleft() if held else None
+            if first is None:
+                first = self._queue.get()
+            with self._launching:
+                if not self._my_turn():  # a caller launched its lone request meanwhile: wait for it
+                    held.appendleft(first)
+                    continue
+                if isinstance(first, list):  # a group: its first request leads, the rest wait in line first
+                    held.extendleft(reversed(first[1:]))
+                    first = first[0]
+                if first is _STOP:
+                    self._launched.put(_STOP)
+                    return
+                self._execute(self._form(first))
+
+    def _my_turn(self) -> bool:
+        return self.clock.turn_now() if self.overlap else self.clock.idle()
+
+    def _form(self, first: _Pending) -> list[_Pending]:
+        """The batch `first` leads: the held requests of its key, then what the queue brings now, or within
+        `batch_delay_s`, or within COMPANY_WAIT_S while clients are due back; the rest is held."""
+        held = self._held
+        batch = [first]
+        for request in list(held):
+            if len(batch) == self.max_batch_size:
+                break
+            if request is not _STOP and request.key == first.key:
+                held.remove(request)
+                batch.append(request)
+        started = time.perf_counter()
+        deadline = started + self.batch_delay_s
+        company_deadline = started + COMPANY_WAIT_S
+        while len(batch) < self.max_batch_size:
+            now = time.perf_counter()
+            # Everything queued now; then wait only for the extra delay, or for clients due back.
+            wait = max(0.0, deadline - now)
+            if not wait and self.clients.due(now, self.clock.predicted_end()):
+                wait = max(0.0, company_deadline - now)
+            try:
+                request = self._queue.get(timeout=wait)
+            except queue.Empty:
+                break
+            if request is _STOP:
+                held.append(request)
+                break
+            for item in request if isinstance(request, list) else [request]:
+                if item.key == first.key and len(batch) < self.max_batch_size:
+                    batch.append(item)
+                else:
+                    held.append(item)
+        return batch
 
     def _await_idle(self) -> None:
         """Without overlap: the next batch is formed only once the last one is answered."""

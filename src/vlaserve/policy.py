@@ -140,6 +140,11 @@ class Policy:
         decode, no host resize)."""
         return self.preprocessor.is_light(request)
 
+    def launches_quickly(self, request: Request) -> bool:
+        """Whether `launch([request])` returns within a fraction of a millisecond, waiting for nothing:
+        what the batcher asks before launching a lone request on the event loop (Runtime.launches_quickly)."""
+        return self.runtime.launches_quickly(request.num_steps, request.cuda_graph)
+
     def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None,
               rtc: dict | None = None) -> InferenceResult:
         return self.run([self.request(obs, noise, seed, num_steps, rtc)])[0]

@@ -386,6 +386,14 @@ class Runtime:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
             return Launched.enqueue(actions, stages, self.turns)
 
+    def launches_quickly(self, num_steps: int, graphs: bool) -> bool:
+        """Whether a launch of this step count returns at once, its work replayed from captured graphs:
+        every graph captured ("ready": no capture to wait for or to make room for), the captured step
+        count, graphs asked for, and no layer streamed from the host (the offload profile's prefix runs
+        outside graphs). The eager model computes inside `launch`: never quick."""
+        return (self.fast_path and self.state == "ready" and graphs and self.offload is None
+                and num_steps == self._graphs.num_steps)
+
     def limit_host_threads(self) -> None:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's
         images, tokens, noise), and run on several threads at once (workers, the batcher's); with

@@ -53,6 +53,7 @@ class ServerSettings:
     # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
     overlap: bool = True
     keep_warm: bool = True  # server/warm.py
+    direct_launch: bool = False  # a lone request launched by the thread that prepared it (vlaserve/batcher.py)
 
     @classmethod
     def from_options(cls, options: Mapping) -> "ServerSettings":
@@ -62,7 +63,8 @@ class ServerSettings:
                    batch_delay_ms=options["batch_delay_ms"],
                    camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
                    allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
-                   overlap=not options["serial_batches"], keep_warm=options["keep_warm"])
+                   overlap=not options["serial_batches"], keep_warm=options["keep_warm"],
+                   direct_launch=options["direct_launch"])
 
 
 def ms_since(start: float) -> float:
@@ -111,7 +113,8 @@ class Service:
         self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
         self.workers.start()
         self.batcher = Batcher(self.policy, self.batch_limit, self.settings.batch_delay_ms,
-                               on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap)
+                               on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap,
+                               direct_launch=self.settings.direct_launch)
 
     def stop(self) -> None:
         self.keep_warm.cancel()
@@ -189,6 +192,8 @@ class Service:
             },
             "camera_aliases": self.settings.camera_aliases,
             "keep_warm": self.keep_warm.stats(),
+            "direct_launch": {"enabled": self.settings.direct_launch,
+                              "launches": self.batcher.direct_launches if self.batcher is not None else 0},
             # What vlaserve_client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
             "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
         }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from ..batcher import DeviceClock
@@ -39,9 +40,9 @@ class KeepWarm:
         self._pending: asyncio.TimerHandle | None = None
 
     def schedule(self, rehearsal: Callable[[], bool], clock: DeviceClock, shape: tuple) -> None:
-        """On the event loop, as a request is queued: `rehearsal` runs LEAD_S before a batch of `shape`
-        (batch size, step count, graphs) queued now is predicted to end, by the batcher's `clock`. It
-        returns whether it rehearsed anything (a frame decoded off the event loop is not rehearsed)."""
+        """On the event loop, as a request is queued or launched: `rehearsal` runs LEAD_S before its batch of
+        `shape` (batch size, step count, graphs) is predicted to end, by the batcher's `clock`. It returns
+        whether it rehearsed anything (a frame decoded off the event loop is not rehearsed)."""
         if not self.enabled:
             return
         device_s = clock.device_s(shape)
@@ -49,8 +50,12 @@ class KeepWarm:
             return
         if self._pending is not None:
             self._pending.cancel()
-        delay = max(0.0, clock.launch_s + device_s - LEAD_S)
-        self._pending = asyncio.get_running_loop().call_later(delay, self._rehearse, rehearsal)
+        # Launched already (by this thread: --direct-launch, or by a quick launch thread): the clock has its
+        # end; else it runs once launched, on the idle device a lone robot finds.
+        end = clock.predicted_end()
+        now = time.perf_counter()
+        due = end if end is not None else now + clock.launch_s + device_s
+        self._pending = asyncio.get_running_loop().call_later(max(0.0, due - now - LEAD_S), self._rehearse, rehearsal)
 
     def cancel(self) -> None:
         if self._pending is not None:

@@ -1,0 +1,66 @@
+"""`--direct-launch` through the server: a lone robot's request, prepared on the event loop, is launched
+there too (vlaserve/batcher.py). The golden policy runs eagerly on the CPU, where the batcher never
+launches directly (Policy.launches_quickly is false: the eager model computes inside launch); here it is
+told its launches are quick, so the wiring from the option to the batcher is what is tested."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from vlaserve.server import ServerSettings, create_app
+from test_cli_options import options
+from test_keep_warm import observation, openpi_frame, v1_body
+from openpi_client import msgpack_numpy
+
+
+def serve(policy, direct: bool, route: str, frames: list[dict]) -> tuple[list[np.ndarray], dict]:
+    """Each frame's actions from a lone client on `route`, and the metadata's direct_launch after."""
+    with TestClient(create_app(policy, ServerSettings(direct_launch=direct))) as client:
+        answers = []
+        if route == "http":
+            for obs in frames:
+                response = client.post("/v1/actions/generations", content=v1_body(obs),
+                                       headers={"Content-Type": "application/msgpack"})
+                answers.append(msgpack_numpy.unpackb(response.content)["data"][0]["action"]["values"])
+        else:
+            path, encode = {"openpi": ("/openpi/policy", openpi_frame), "realtime": ("/v1/actions/realtime", v1_body)}[route]
+            with client.websocket_connect(path) as ws:
+                ws.receive_bytes()
+                for obs in frames:
+                    ws.send_bytes(encode(obs))
+                    reply = msgpack_numpy.unpackb(ws.receive_bytes())
+                    answers.append(reply["actions"] if route == "openpi" else reply["data"][0]["action"]["values"])
+        return answers, client.get("/v1/actions/metadata").json()["direct_launch"]
+
+
+@pytest.mark.parametrize("route", ["openpi", "realtime", "http"])
+def test_a_lone_robots_requests_are_launched_on_the_event_loop_with_the_same_answers(golden_policy, route,
+                                                                                      monkeypatch):
+    launchers = []
+    launch = golden_policy.launch
+    monkeypatch.setattr(golden_policy, "launches_quickly", lambda request: True)
+    monkeypatch.setattr(golden_policy, "launch", lambda requests: (launchers.append(threading.current_thread().name),
+                                                                   launch(requests))[1])
+    frames = [observation(seed) for seed in range(3)]
+    plain, plain_stats = serve(golden_policy, False, route, frames)
+    direct, direct_stats = serve(golden_policy, True, route, frames)
+    for a, b in zip(plain, direct):
+        np.testing.assert_array_equal(a, b)  # the same batch of one, launched by another thread
+    assert plain_stats == {"enabled": False, "launches": 0}
+    assert direct_stats == {"enabled": True, "launches": 3}
+    assert launchers[:3] == ["vlaserve-launch"] * 3
+    assert "vlaserve-launch" not in launchers[3:] and len(launchers) == 6
+
+
+def test_direct_launch_is_off_by_default_and_a_flag_or_the_config_file_turns_it_on(tmp_path):
+    assert ServerSettings().direct_launch is False
+    assert ServerSettings.from_options(options([])).direct_launch is False
+    assert ServerSettings.from_options(options(["--direct-launch"])).direct_launch is True
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"direct_launch": True}))
+    assert ServerSettings.from_options(options(["--config", str(config)])).direct_launch is True
