@@ -222,7 +222,7 @@ async def lone_robot_cycle(service: Service, frame: bytes, args) -> dict:
             request = request_from_openpi(unpackb(frame, 1024), service)
             policy.prepare(request)
             t1 = time.perf_counter()
-            warm.schedule(functools.partial(rehearse, frame, service), clock, shape)
+            warm.schedule(functools.partial(rehearse, frame, service), clock, shape, t1)
             await asyncio.sleep(args.device_ms / 1e3)
             t2 = time.perf_counter()
             actions = np.zeros((c.action_horizon, c.action_dim), dtype=np.float32)

@@ -122,41 +122,46 @@ def test_a_rehearsal_is_due_lead_before_the_predicted_end_and_one_is_pending_at_
         loop, ran = asyncio.get_running_loop(), []
         warm, clock = KeepWarm(enabled=True), clock_with(device_ms=30.0)
         scheduled_at = loop.time()
-        warm.schedule(lambda: ran.append("first") or True, clock, SHAPE)
+        warm.schedule(lambda: ran.append("first") or True, clock, SHAPE, time.perf_counter())
         when = warm._pending.when()
         # Due launch + device - LEAD_S after scheduling; the 5 ms allows for the loop clock read before the
         # call (microseconds; a loaded 2-core CI machine), far below the 28 ms being checked.
         assert when - scheduled_at == pytest.approx(clock.launch_s + 0.030 - LEAD_S, abs=0.005)
-        warm.schedule(lambda: ran.append("second") or True, clock, SHAPE)  # the next request's replaces it
-        warm.schedule(lambda: ran.append("unknown shape") or True, clock, (2, 10, True))  # no device time yet: none
+        warm.schedule(lambda: ran.append("second") or True, clock, SHAPE, time.perf_counter())  # the next request's replaces it
+        warm.schedule(lambda: ran.append("unknown shape") or True, clock, (2, 10, True), time.perf_counter())  # no device time yet: none
         await asyncio.sleep(0.1)
         assert ran == ["second"] and warm.rehearsals == 1
         off = KeepWarm(enabled=False)
-        off.schedule(lambda: ran.append("off") or True, clock, SHAPE)
+        off.schedule(lambda: ran.append("off") or True, clock, SHAPE, time.perf_counter())
         await asyncio.sleep(0.05)
         assert ran == ["second"] and off._pending is None
     asyncio.run(scenario())
 
 
-def test_a_rehearsal_for_a_batch_already_launched_is_due_lead_before_its_predicted_end():
-    """A request launched before the rehearsal is scheduled (--direct-launch launches it on the event loop;
-    a quick launch thread may too): its batch's end is the clock's prediction, not a launch from now; timed
-    from now, the rehearsal ran late enough to delay the answer's hand-back (H200, runs 200-202)."""
-    async def scenario():
+def test_a_rehearsal_is_due_lead_before_its_own_batch_ends_when_a_batch_is_on_the_device():
+    """With a batch on the device when the request is queued: launched after it was queued (--direct-launch
+    launches it on the event loop; a quick launch thread may too), that batch is its own and ends at the
+    clock's prediction (timed from now, as for an idle device, the rehearsal ran late enough to delay the
+    answer's hand-back: H200, runs 200-202); launched before, it is another's, and the request runs behind it."""
+    async def scenario(launched_after_queued: bool):
         loop = asyncio.get_running_loop()
         warm, clock = KeepWarm(enabled=True), clock_with(device_ms=30.0)
-        clock.launch_s = 0.010  # a slow launch: a schedule from now would be 10 ms late
+        clock.launch_s = 0.010  # a slow launch: a schedule as for an idle device would be 10 ms off
         now = time.perf_counter()
-        clock.launched(SHAPE, now - 0.012, now - 0.002, asynchronous=True)  # launched 2 ms ago, 10 ms to launch
+        queued_at = now - (0.013 if launched_after_queued else 0.001)
+        clock.launched(SHAPE, now - 0.012, now - 0.002, asynchronous=True)  # began 12 ms ago, enqueued 2 ms ago
         scheduled_at = loop.time()
-        warm.schedule(lambda: True, clock, SHAPE)
+        warm.schedule(lambda: True, clock, SHAPE, queued_at)
         when = warm._pending.when()
         warm.cancel()
         return when - scheduled_at, clock.predicted_end() - now
 
-    delay, end_in = asyncio.run(scenario())
-    assert end_in == pytest.approx(0.028, abs=0.001)  # the clock: launched 2 ms ago, 30 ms of device time
-    assert delay == pytest.approx(end_in - LEAD_S, abs=0.005)
+    own, end_in = asyncio.run(scenario(True))
+    behind, _ = asyncio.run(scenario(False))
+    assert end_in == pytest.approx(0.028, abs=0.001)  # enqueued 2 ms ago, 30 ms of device time
+    # (5 ms: the loop clock read before the call, on a loaded 2-core CI machine; far below the 10-30 ms told apart)
+    assert own == pytest.approx(end_in - LEAD_S, abs=0.005)
+    assert behind == pytest.approx(end_in + 0.030 - LEAD_S, abs=0.005)
 
 
 def test_a_failing_rehearsal_is_logged_and_turns_keep_warm_off(caplog):
@@ -166,9 +171,9 @@ def test_a_failing_rehearsal_is_logged_and_turns_keep_warm_off(caplog):
         def broken():
             ran.append(1)
             raise RuntimeError("a rehearsal bug")
-        warm.schedule(broken, clock, SHAPE)
+        warm.schedule(broken, clock, SHAPE, time.perf_counter())
         await asyncio.sleep(0.05)
-        warm.schedule(broken, clock, SHAPE)
+        warm.schedule(broken, clock, SHAPE, time.perf_counter())
         await asyncio.sleep(0.05)
         return warm, ran
     with caplog.at_level(logging.ERROR, logger="vlaserve.server.warm"):

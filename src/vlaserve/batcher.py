@@ -139,12 +139,14 @@ class DeviceClock:
         self._end: float | None = 0.0  # perf_counter seconds; None: not predictable
         self._device_s: dict[tuple, float] = {}
         self.launch_s = 0.0  # smoothed host time from forming a batch to its launch returning
+        self.last_launch_s = 0.0  # perf_counter seconds when the last batch launched began forming
 
     def launched(self, shape: tuple, started: float, now: float, asynchronous: bool) -> None:
         """A batch was enqueued between `started` and `now`. A launch that returned with its work
         done (the eager model runs synchronously) leaves nothing to overlap: the next batch waits
         for its answers, as without overlap."""
         with self._cond:
+            self.last_launch_s = started
             cost = self._device_s.get(shape) if asynchronous else None
             self._end = None if cost is None or self._end is None else max(now, self._end) + cost
             self._in_flight += 1

@@ -269,7 +269,8 @@ class Service:
             # batcher waits for clients due back (batcher.COMPANY_WAIT_S).
             error, futures, prepared_at = _prepare_and_queue_one(*args)
             if error is None and rehearsal is not None:  # this request's host path ran here, on the event loop
-                self.keep_warm.schedule(rehearsal, self.batcher.clock, (1, todo[0].num_steps, todo[0].cuda_graph))
+                self.keep_warm.schedule(rehearsal, self.batcher.clock, (1, todo[0].num_steps, todo[0].cuda_graph),
+                                        prepared_at)
         else:
             error, futures, prepared_at = await self.workers.in_thread(_prepare_and_queue_one, *args)
         prepared = [api_error(error, in_request_body) if r is todo[0] and error is not None else r for r in requests]

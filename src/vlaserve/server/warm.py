@@ -39,10 +39,11 @@ class KeepWarm:
         self.rehearsals = 0
         self._pending: asyncio.TimerHandle | None = None
 
-    def schedule(self, rehearsal: Callable[[], bool], clock: DeviceClock, shape: tuple) -> None:
-        """On the event loop, as a request is queued or launched: `rehearsal` runs LEAD_S before its batch of
-        `shape` (batch size, step count, graphs) is predicted to end, by the batcher's `clock`. It returns
-        whether it rehearsed anything (a frame decoded off the event loop is not rehearsed)."""
+    def schedule(self, rehearsal: Callable[[], bool], clock: DeviceClock, shape: tuple, queued_at: float) -> None:
+        """On the event loop, as a request is queued (at `queued_at`, perf_counter seconds) or launched:
+        `rehearsal` runs LEAD_S before its batch of `shape` (batch size, step count, graphs) is predicted to
+        end, by the batcher's `clock`. It returns whether it rehearsed anything (a frame decoded off the
+        event loop is not rehearsed)."""
         if not self.enabled:
             return
         device_s = clock.device_s(shape)
@@ -50,11 +51,14 @@ class KeepWarm:
             return
         if self._pending is not None:
             self._pending.cancel()
-        # Launched already (by this thread: --direct-launch, or by a quick launch thread): the clock has its
-        # end; else it runs once launched, on the idle device a lone robot finds.
-        end = clock.predicted_end()
         now = time.perf_counter()
-        due = end if end is not None else now + clock.launch_s + device_s
+        end = clock.predicted_end()
+        if end is None:  # the device idle: the request launches now
+            due = now + clock.launch_s + device_s
+        elif clock.last_launch_s >= queued_at:  # its batch is on the device already (--direct-launch, or a quick launch thread)
+            due = end
+        else:  # it runs behind the batch on the device
+            due = end + device_s
         self._pending = asyncio.get_running_loop().call_later(max(0.0, due - now - LEAD_S), self._rehearse, rehearsal)
 
     def cancel(self) -> None:
