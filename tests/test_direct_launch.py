@@ -1,7 +1,8 @@
-"""`--direct-launch` through the server: a lone robot's request, prepared on the event loop, is launched
-there too (vlaserve/batcher.py). The golden policy runs eagerly on the CPU, where the batcher never
-launches directly (Policy.launches_quickly is false: the eager model computes inside launch); here it is
-told its launches are quick, so the wiring from the option to the batcher is what is tested."""
+"""Direct launch (on by default, `--no-direct-launch`) through the server: a lone robot's request, prepared
+on the event loop, is launched there too (vlaserve/batcher.py). The golden policy runs eagerly on the CPU,
+where the batcher never launches directly (Policy.launches_quickly is false: the eager model computes inside
+launch); here it is told its launches are quick, so the wiring from the option to the batcher is what is
+tested."""
 
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ def test_a_lone_robots_requests_are_launched_on_the_event_loop_with_the_same_ans
     assert "vlaserve-launch" not in launchers[3:] and len(launchers) == 6
 
 
-def test_direct_launch_is_off_by_default_and_a_flag_or_the_config_file_turns_it_on(tmp_path):
-    assert ServerSettings().direct_launch is False
-    assert ServerSettings.from_options(options([])).direct_launch is False
-    assert ServerSettings.from_options(options(["--direct-launch"])).direct_launch is True
+def test_direct_launch_is_on_unless_turned_off_on_the_command_line_or_in_the_config(tmp_path):
+    assert ServerSettings().direct_launch is True
+    assert ServerSettings.from_options(options([])).direct_launch is True
+    assert ServerSettings.from_options(options(["--no-direct-launch"])).direct_launch is False
     config = tmp_path / "serve.json"
-    config.write_text(json.dumps({"direct_launch": True}))
-    assert ServerSettings.from_options(options(["--config", str(config)])).direct_launch is True
+    config.write_text(json.dumps({"direct_launch": False}))
+    assert ServerSettings.from_options(options(["--config", str(config)])).direct_launch is False

@@ -31,9 +31,9 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
                                           "on the device while the last one finishes; for measurement)"),
     "keep_warm": (bool, True, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
                                     "predicted to end, so its reply and next frame find that code warm"),
-    "direct_launch": (bool, False, None, "launch a lone request that would run at once (device idle, nothing queued, no "
-                                         "robot due back) from the thread that prepared it, without waking the "
-                                         "batcher's launch thread"),
+    "direct_launch": (bool, True, None, "launch a lone request that would run at once (device idle, nothing queued, no "
+                                        "robot due back, every graph captured) from the thread that prepared it, "
+                                        "without waking the batcher's launch thread"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),

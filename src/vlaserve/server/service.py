@@ -53,7 +53,7 @@ class ServerSettings:
     # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
     overlap: bool = True
     keep_warm: bool = True  # server/warm.py
-    direct_launch: bool = False  # a lone request launched by the thread that prepared it (vlaserve/batcher.py)
+    direct_launch: bool = True  # a lone request launched by the thread that prepared it (vlaserve/batcher.py)
 
     @classmethod
     def from_options(cls, options: Mapping) -> "ServerSettings":
