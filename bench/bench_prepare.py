@@ -38,7 +38,7 @@ import torch
 from openpi_client import msgpack_numpy
 
 import vlaserve.processing.prepare as prepare_module
-from common import golden_checkpoint, parser, robot_observation, save_json
+from common import golden_checkpoint, log, parser, robot_observation, save_json
 from vlaserve import Policy
 from vlaserve.server.codec import packb, unpackb
 from vlaserve.batcher import DeviceClock
@@ -129,13 +129,13 @@ def main() -> None:
             between()
         results[label] = {"stages": {k: spread(v) for k, v in stages.items()},
                           "prepare_steps": {k: spread(v) for k, v in steps.items()}}
-        print(label, json.dumps(results[label]))
+        log(label, json.dumps(results[label]))
 
     results["hops_after_idle"] = asyncio.run(hops(policy, raw, args))
-    print("hops, after idle", json.dumps(results["hops_after_idle"]))
+    log("hops, after idle", json.dumps(results["hops_after_idle"]))
     results["lone_robot_cycle"] = asyncio.run(lone_robot_cycle(service, frame, args))
     for mode, stages in results["lone_robot_cycle"]["modes"].items():
-        print(f"lone robot's cycle, {mode}", json.dumps(stages))
+        log(f"lone robot's cycle, {mode}", json.dumps(stages))
     save_json(results, args.out, "bench_prepare")
 
 
