@@ -52,16 +52,18 @@ def v1_body(obs: dict) -> bytes:
     return msgpack_numpy.packb({"input": {"task": obs["prompt"], "observation": observation}})
 
 
-def serve(policy, keep_warm: bool, route: str, frames: list[dict]) -> tuple[list[np.ndarray], list[dict]]:
-    """Each frame's actions from a lone client on `route`, and the keep-warm stats after each answer."""
-    with TestClient(create_app(policy, ServerSettings(keep_warm=keep_warm))) as client:
+def serve(policy, settings: ServerSettings, route: str, frames: list[dict],
+          stats_key: str = "keep_warm") -> tuple[list[np.ndarray], list[dict]]:
+    """Each frame's actions from a lone client on `route` of a server with `settings`, and the metadata's
+    `stats_key` after each answer."""
+    with TestClient(create_app(policy, settings)) as client:
         answers, stats = [], []
         if route == "http":
             for obs in frames:
                 response = client.post("/v1/actions/generations", content=v1_body(obs),
                                        headers={"Content-Type": "application/msgpack"})
                 answers.append(msgpack_numpy.unpackb(response.content)["data"][0]["action"]["values"])
-                stats.append(client.get("/v1/actions/metadata").json()["keep_warm"])
+                stats.append(client.get("/v1/actions/metadata").json()[stats_key])
             return answers, stats
         path, encode = {"openpi": ("/openpi/policy", openpi_frame), "realtime": ("/v1/actions/realtime", v1_body)}[route]
         with client.websocket_connect(path) as ws:
@@ -70,7 +72,7 @@ def serve(policy, keep_warm: bool, route: str, frames: list[dict]) -> tuple[list
                 ws.send_bytes(encode(obs))
                 reply = msgpack_numpy.unpackb(ws.receive_bytes())
                 answers.append(reply["actions"] if route == "openpi" else reply["data"][0]["action"]["values"])
-                stats.append(client.get("/v1/actions/metadata").json()["keep_warm"])
+                stats.append(client.get("/v1/actions/metadata").json()[stats_key])
         return answers, stats
 
 
@@ -81,8 +83,8 @@ def test_a_lone_robots_answers_are_the_same_with_keep_warm_and_its_frames_are_re
     # due shortly before the predicted end may come after the answer, which drops it.
     monkeypatch.setattr(warm_module, "LEAD_S", 60.0)
     frames = [observation(i) for i in range(3)]
-    plain, plain_stats = serve(golden_policy, False, route, frames)
-    warm, warm_stats = serve(golden_policy, True, route, frames)
+    plain, plain_stats = serve(golden_policy, ServerSettings(keep_warm=False), route, frames)
+    warm, warm_stats = serve(golden_policy, ServerSettings(keep_warm=True), route, frames)
     assert plain_stats == [{"enabled": False, "rehearsals": 0, "pending": False}] * len(frames)
     # The first frame's batch shape has no device time yet: every later frame is rehearsed, before its answer.
     assert warm_stats == [{"enabled": True, "rehearsals": i, "pending": False} for i in range(len(frames))]
@@ -92,7 +94,7 @@ def test_a_lone_robots_answers_are_the_same_with_keep_warm_and_its_frames_are_re
 
 def test_a_rehearsal_due_after_its_answer_is_dropped(golden_policy, monkeypatch):
     monkeypatch.setattr(warm_module, "LEAD_S", -60.0)  # each one due a minute after its batch's predicted end
-    _, stats = serve(golden_policy, True, "openpi", [observation(i) for i in range(3)])
+    _, stats = serve(golden_policy, ServerSettings(keep_warm=True), "openpi", [observation(i) for i in range(3)])
     assert stats == [{"enabled": True, "rehearsals": 0, "pending": False}] * 3
 
 
