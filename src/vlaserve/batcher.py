@@ -241,7 +241,8 @@ class Batcher:
     def submit_many(self, requests: list[Request],
                     loop: asyncio.AbstractEventLoop | None = None) -> list[asyncio.Future]:
         """Queues requests as one group (they reach the launch thread together, so a group of B
-        fills batches up to the limit instead of racing it); one future per request, each failing alone.
+        fills batches up to the limit instead of racing it), or with `direct_launch` launches a lone one
+        here when it would run at once; one future per request, each failing alone.
         `loop`: the event loop that awaits the futures, when called from another thread (the server's
         worker that prepared a request queues it: one thread hop less than going back through the loop)."""
         loop = loop or asyncio.get_running_loop()
