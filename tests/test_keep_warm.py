@@ -129,8 +129,9 @@ def test_a_rehearsal_is_due_lead_before_the_predicted_end_and_one_is_pending_at_
         # Due launch + device - LEAD_S after scheduling; the 5 ms allows for the loop clock read before the
         # call (microseconds; a loaded 2-core CI machine), far below the 28 ms being checked.
         assert when - scheduled_at == pytest.approx(clock.launch_s + 0.030 - LEAD_S, abs=0.005)
-        warm.schedule(lambda: ran.append("second") or True, clock, SHAPE, time.perf_counter())  # the next request's replaces it
-        warm.schedule(lambda: ran.append("unknown shape") or True, clock, (2, 10, True), time.perf_counter())  # no device time yet: none
+        now = time.perf_counter()
+        warm.schedule(lambda: ran.append("second") or True, clock, SHAPE, now)  # the next request's replaces it
+        warm.schedule(lambda: ran.append("unknown shape") or True, clock, (2, 10, True), now)  # no device time yet: none
         await asyncio.sleep(0.1)
         assert ran == ["second"] and warm.rehearsals == 1
         off = KeepWarm(enabled=False)

@@ -510,7 +510,8 @@ def test_a_request_is_not_launched_directly_while_another_client_is_due_back():
         loop = asyncio.get_running_loop()
         # Both robots answered together, then each sends again at once: both become back-to-back clients.
         for round_ in range(3):
-            await asyncio.gather(batcher.submit(_request(10 * round_, "a")), batcher.submit(_request(10 * round_ + 1, "b")))
+            await asyncio.gather(batcher.submit(_request(10 * round_, "a")),
+                                 batcher.submit(_request(10 * round_ + 1, "b")))
         batches_before = len(device.batches)
         a = asyncio.ensure_future(batcher.submit(_request(100, "a")))  # b is due back within its think time
         await asyncio.sleep(0.001)

@@ -55,7 +55,7 @@ class KeepWarm:
         end = clock.predicted_end()
         if end is None:  # the device idle: the request launches now
             due = now + clock.launch_s + device_s
-        elif clock.last_launch_s >= queued_at:  # its batch is on the device already (--direct-launch, or a quick launch thread)
+        elif clock.last_launch_s >= queued_at:  # its batch is on the device (a direct launch, or a quick launch thread)
             due = end
         else:  # it runs behind the batch on the device
             due = end + device_s
