@@ -17,7 +17,8 @@ share around it (the OpenPI socket's prev_total_ms, frame received -> reply sent
 time), each stage p50 and p99. Per level, where its slowest 1% of answers spent their time, and the
 device time per batch size; per paced level, the floor an ideal batcher would reach on this run's
 batch times and these robots' phases (fleet_model.py): a p99 above it is the server's, a floor above
-a target the device's; how many keep-warm rehearsals ran (`--serve-args "--no-keep-warm"`: none). Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
+a target the device's; how many keep-warm rehearsals ran (`--serve-args "--no-keep-warm"`: none) and how many
+requests were launched directly (`--no-direct-launch`: none). Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
 checkpoint on the CPU to 1 and 2 robots for a second each.
 """
 

@@ -98,6 +98,8 @@ def check_bench_fleet(out: Path) -> None:
     assert {"prepare_ms", "handback_ms", "device_ms", "server_total"} <= set(r["batch1"]["breakdown_p99_ms"])
     assert r["min_distance_between_robots"] > 0.25  # robots' answers are told apart (WRONG_ANSWER)
     assert r["keep_warm"]["enabled"] is True  # on by default (its rehearsals depend on this CPU's timing)
+    # On by default, and never taken on a CPU: the eager model computes inside its launch (launches_quickly false).
+    assert r["direct_launch"] == {"enabled": True, "launches": 0}
     # One robot's answers all ran alone; the slowest 1% add up: server stages inside infer_ms, the rest outside
     # (outside_ms is that difference of two means: approx for float rounding only).
     assert list(r["levels"][0]["device_ms_by_batch"]) == ["1"]
