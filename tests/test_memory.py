@@ -332,3 +332,31 @@ def test_the_profile_caps_the_prefix_cache(golden):
 
     assert entries(prefix_cache=100) == PROFILES["edge-16gb"].prefix_cache_entries == 16
     assert entries(prefix_cache=3) == 3
+
+
+def test_the_docs_expected_memory_is_the_estimators():
+    """docs/memory.md's "Expected memory" table and its refusal example are the estimator's output for the
+    full-size model at the server's default graphs (the checkpoint's prompt length and its bucket)."""
+    import re
+    from pathlib import Path
+
+    from vlaserve.config import prompt_lengths
+    from vlaserve.runtime.memory import DeviceBudget
+
+    doc = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    config = PolicyConfig(ModelConfig.full_size(), ("a", "b", "c"), 14, 14)
+    shapes = shapes_of(config.model)
+    lengths = len(prompt_lengths(RuntimeConfig().resolved_prompt_buckets(config.max_token_len, "cuda"),
+                                 config.max_token_len))
+    table = doc[doc.index("| profile | batch 1 | batch 4 | batch 8 | weights on device |"):]
+    for name, profile in PROFILES.items():
+        cells = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |")).split(" | ")[1:4]
+        for cell, batch in zip(cells, (1, 4, 8)):
+            estimate = estimate_memory(shapes, config, torch.bfloat16, profile, batch, num_prompt_lengths=lengths)
+            assert cell.startswith(gib(estimate.total)), (name, batch)
+    with pytest.raises(InsufficientMemory) as refused:
+        check_fit(shapes, config, torch.bfloat16, PROFILES["default"], 8,
+                  DeviceBudget(8 * GIB, "139.20 GiB free of 139.80 GiB on cuda:0, per-process cap 8.00 GiB (5.7%)"),
+                  num_prompt_lengths=lengths)
+    example = re.search(r"```\n(memory profile 'default' needs about.*?)```", doc, re.S).group(1)
+    assert " ".join(example.split()) == str(refused.value)
