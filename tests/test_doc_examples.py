@@ -179,3 +179,14 @@ def test_documented_python_names_exist():
                 resolve(dotted)
             except AttributeError as e:
                 pytest.fail(f"{path.name}: {dotted}: {e}")
+
+
+def test_every_serve_option_is_documented():
+    """docs/server.md's option table has a row for each `vlaserve serve` option, as its flag is spelled
+    (an option on by default by its --no- switch)."""
+    from vlaserve.options import SERVE_OPTIONS
+
+    rows = set(re.findall(r"^\| `(--[a-z0-9-]+)`", (ROOT / "docs" / "server.md").read_text(), re.MULTILINE))
+    for name, (kind, default, _, _) in SERVE_OPTIONS.items():
+        flag = name.replace("_", "-")
+        assert f"--{'no-' if kind is bool and default is True else ''}{flag}" in rows, name
