@@ -336,7 +336,8 @@ def test_the_profile_caps_the_prefix_cache(golden):
 
 def test_the_docs_expected_memory_is_the_estimators():
     """docs/memory.md's "Expected memory" table and its refusal example are the estimator's output for the
-    full-size model at the server's default graphs (the checkpoint's prompt length and its bucket)."""
+    full-size model at the server's default graphs (the checkpoint's prompt length and its bucket), and its
+    parameter counts the serving dtype policy's."""
     import re
     from pathlib import Path
 
@@ -348,6 +349,12 @@ def test_the_docs_expected_memory_is_the_estimators():
     shapes = shapes_of(config.model)
     lengths = len(prompt_lengths(RuntimeConfig().resolved_prompt_buckets(config.max_token_len, "cuda"),
                                  config.max_token_len))
+    from vlaserve.checkpoint.weights import param_dtype
+
+    counts = {torch.bfloat16: 0, torch.float32: 0}
+    for name, shape in shapes.items():
+        counts[param_dtype(name, torch.bfloat16)] += int(np.prod(shape))
+    assert f"{counts[torch.bfloat16]:,} parameters in bf16 + {counts[torch.float32]:,} in fp32" in " ".join(doc.split())
     table = doc[doc.index("| profile | batch 1 | batch 4 | batch 8 | weights on device |"):]
     for name, profile in PROFILES.items():
         cells = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |")).split(" | ")[1:4]
