@@ -5,6 +5,9 @@ One set per batch size, at the checkpoint's prompt length; a shorter prompt leng
 bucket) uses views of its leading rows (`views`), so buckets add graphs but no buffer memory. The
 K/V cache holds the prefix's keys and values in its first `prefix_len` rows and the action tokens'
 in the next `horizon`, padded to the attention kernels' key tile.
+
+What a call writes from the host (`HOST_INPUTS`) lies in one block, `inputs`, mirrored in pinned host
+memory (`InputStaging`): a call's inputs are written into the mirror and go up in one copy.
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from ...config import PolicyConfig
 
 # The attention kernels tile keys by 64 (kernels.py "block_t"): the cache length is a multiple of it.
 KV_TILE = 64
+
+# The buffers a call fills from the host, in the order they lie in the `inputs` block: the small ones
+# first, so a call that sends no frames (float frames, copied up apart; a cached prefix) uploads only
+# them. `image_bytes`: the camera frames as uint8, in the memory order they arrived in (the device
+# converts them into `images`: processing.prepare.from_staging).
+HOST_INPUTS = ("image_masks", "tokens", "token_mask", "noise", "state", "image_bytes")
+INPUT_ALIGN = 64  # bytes: every typed view of the block starts aligned
 
 
 @dataclass(frozen=True)
@@ -63,16 +73,21 @@ class BufferSpec:
             "v_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
             "pad": ((b, self.context_len), torch.bool),
             **({"state": ((b, self.state_dim), torch.float32)} if self.state_dim else {}),
+            "image_bytes": ((b, self.cameras * 3 * self.resolution * self.resolution), torch.uint8),
         }
 
+    def input_offsets(self) -> dict[str, int]:
+        """Where each of HOST_INPUTS starts in the `inputs` block, and its end under "end"."""
+        layout, offsets, at = self.layout(), {}, 0
+        for name in HOST_INPUTS:
+            if name in layout:
+                offsets[name] = at
+                at = -(-(at + _nbytes(*layout[name])) // INPUT_ALIGN) * INPUT_ALIGN
+        return {**offsets, "end": at}
+
     def nbytes(self) -> int:
-        total = 0
-        for shape, dtype in self.layout().values():
-            n = dtype.itemsize
-            for s in shape:
-                n *= s
-            total += n
-        return total
+        return self.input_offsets()["end"] + sum(_nbytes(shape, dtype) for name, (shape, dtype) in self.layout().items()
+                                                 if name not in HOST_INPUTS)
 
     def views(self, larger: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This spec's buffers as views of the leading part of a larger set (same batch size, a
@@ -80,6 +95,8 @@ class BufferSpec:
         K/V cache through its strides, so a view of fewer rows per item serves as it is."""
         out = {}
         for name, (shape, _) in self.layout().items():
+            if name not in larger:  # (a host mirror holds only HOST_INPUTS)
+                continue
             full = larger[name]
             if any(s > f for s, f in zip(shape, full.shape)):
                 raise ValueError(f"buffer {name}: {shape} does not fit in {tuple(full.shape)}")
@@ -87,6 +104,70 @@ class BufferSpec:
         return out
 
     def allocate(self, device) -> dict[str, torch.Tensor]:
-        # Masks start all-true and the rest zero: a warm-up replay on them computes finite values.
-        return {name: (torch.ones if dtype == torch.bool else torch.zeros)(shape, dtype=dtype, device=device)
-                for name, (shape, dtype) in self.layout().items()}
+        """Every buffer, HOST_INPUTS as views of one `inputs` block. Masks start all-true and the rest
+        zero: a warm-up replay on them computes finite values."""
+        buffers = self.allocate_inputs(device)
+        for name, (shape, dtype) in self.layout().items():
+            if name not in HOST_INPUTS:
+                buffers[name] = torch.zeros(shape, dtype=dtype, device=device)
+        return buffers
+
+    def allocate_inputs(self, device, pin: bool = False) -> dict[str, torch.Tensor]:
+        """The `inputs` block (uint8) and HOST_INPUTS' typed views of it; `pin`: in pinned host memory
+        (the block's host mirror)."""
+        offsets, layout = self.input_offsets(), self.layout()
+        block = torch.zeros(offsets["end"], dtype=torch.uint8, device=device, pin_memory=pin)
+        buffers = {"inputs": block}
+        for name, start in offsets.items():
+            if name != "end":
+                shape, dtype = layout[name]
+                buffers[name] = block[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+                if dtype == torch.bool:
+                    buffers[name].fill_(True)
+        return buffers
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+class InputStaging:
+    """A batch size's pinned host mirror of its `inputs` block, and the event of its last upload. A call's
+    host inputs are written into the mirror (processing.prepare.into_staging) and go up in one copy
+    (`upload`) that the host does not wait for; the next call's writes wait until that copy has read the
+    mirror (`ready`: long done, normally, as the batcher launches one batch ahead at most). Against
+    copying each input up from where it lies (pageable memory, five copies through the driver's staging
+    buffer): one host copy a frame, and one copy up."""
+
+    def __init__(self, spec: BufferSpec, device_block: torch.Tensor):
+        self.device_block = device_block
+        self.cuda = device_block.device.type == "cuda"
+        self.host = spec.allocate_inputs("cpu", pin=self.cuda)
+        self.frames_at = spec.input_offsets()["image_bytes"]
+        self._views: dict[int, dict[str, torch.Tensor]] = {spec.token_len: self.host}  # per prompt length
+        self._uploaded = torch.cuda.Event() if self.cuda else None
+        self._pending = False
+
+    def views(self, spec: BufferSpec) -> dict[str, torch.Tensor]:
+        """The mirror's views for `spec` (this batch size at a prompt bucket: views of the full length's)."""
+        if spec.token_len not in self._views:
+            self._views[spec.token_len] = spec.views(self.host)
+        return self._views[spec.token_len]
+
+    def ready(self) -> None:
+        """Waits until the last upload has read the mirror. The caller holds the device lock (no capture
+        records meanwhile)."""
+        if self._pending:
+            self._uploaded.synchronize()
+            self._pending = False
+
+    def upload(self, frames: bool) -> None:
+        """The mirror's inputs up into the device block, the frames too if `frames`."""
+        n = self.device_block.numel() if frames else self.frames_at
+        self.device_block[:n].copy_(self.host["inputs"][:n], non_blocking=True)
+        if self.cuda:
+            self._uploaded.record()
+            self._pending = True
