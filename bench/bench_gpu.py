@@ -14,7 +14,8 @@ while each batch size's default path is timed. Writes bench_gpu.json and .png.
 path: the actions), the prefix-cache hit against its miss, two batches enqueued back to back against
 each alone, and a prompt bucket served from graphs captured at warm-up; writes golden_gpu.json.
 --actions FILE saves the served actions of the full-size random model at batch 1, 2, 4, 8, without
-and with RTC guidance (with p50 times); --compare-actions FILE compares them bit for bit with a file
+and with RTC guidance (with p50 times; the same inputs sent from host memory, as the server sends them,
+must give the same actions: `from_host_bit_identical`); --compare-actions FILE compares them bit for bit with a file
 saved on another tree: the gate of a refactor that must not change what is computed. With
 --capture-warmups MODE the graphs are captured first through a plan, as the server captures them,
 with that warm-up mode (on_new_kernel against per_kernel: the same graphs, bit for bit).
@@ -361,18 +362,23 @@ def served_actions(smoke: bool, device: str, capture_warmups: str | None = None)
             runner.capture(key, STEPS)
         log(f"{len(plan)} graphs captured through the plan ({capture_warmups}): "
             f"{runner.warm_ups_skipped} warm-ups skipped")
-    out, rtc_out, times = {}, {}, {}
+    out, rtc_out, times, from_host = {}, {}, {}, {}
     for b in batches:
         inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b, device=device)
+        rtc = rtc_guidance(b, seed=b, device=device)
         out[b] = sample(runner, inputs, noise)[0].cpu()
-        rtc_out[b] = sample(runner, inputs, noise, rtc=rtc_guidance(b, seed=b, device=device))[0].cpu()
+        rtc_out[b] = sample(runner, inputs, noise, rtc=rtc)[0].cpu()
+        # The server's way in: the same inputs and guidance from host memory (the runner's staged blocks).
+        host = ModelInputs(*(t.cpu() for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
+        from_host[b] = (torch.equal(sample(runner, host, noise.cpu())[0].cpu(), out[b])
+                        and torch.equal(sample(runner, host, noise.cpu(), rtc=rtc.to("cpu"))[0].cpu(), rtc_out[b]))
         times[b] = time_ms(lambda: sample(runner, inputs, noise), device, **TIMING)["p50_ms"]
-        log(f"b={b}: p50 {times[b]:.2f} ms")
+        log(f"b={b}: p50 {times[b]:.2f} ms; from host memory bit-identical: {from_host[b]}")
+    result = {"actions": out, "rtc_actions": rtc_out, "p50_ms": times, "from_host_bit_identical": from_host}
     if planned:  # every call ran on the plan's graphs
         assert runner.uncaptured_calls == 0 and runner.request_path_captures == 0, vars(runner)
-        return {"actions": out, "rtc_actions": rtc_out, "p50_ms": times, "capture_warmups": capture_warmups,
-                "warm_ups_skipped": runner.warm_ups_skipped}
-    return {"actions": out, "rtc_actions": rtc_out, "p50_ms": times}
+        return {**result, "capture_warmups": capture_warmups, "warm_ups_skipped": runner.warm_ups_skipped}
+    return result
 
 
 def rtc_guidance(b: int, seed: int, device: str) -> RTCGuidance:
@@ -593,6 +599,7 @@ def main():
             golden["launch_table"], golden["served_p50_ms"] = args.launch_table or "auto", now["p50_ms"]
             golden["capture_warmups"] = now.get("capture_warmups")
             golden["warm_ups_skipped"] = now.get("warm_ups_skipped")
+            golden["from_host_bit_identical"] = now["from_host_bit_identical"]
             if args.actions:
                 torch.save(now, args.actions)
             if args.compare_actions:

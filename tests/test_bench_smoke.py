@@ -213,6 +213,7 @@ def test_bench_gpu_golden_only_and_saved_actions(tmp_path):
         assert r[family]["prefix_cache_hit_equals_miss"] and r[family]["overlapped_equals_serial"]
     assert [(v["bit_identical"], v["max_abs_diff"]) for v in r["actions_vs_saved"].values()] == [(True, 0.0)] * 2
     assert [v["rtc"] for v in r["actions_vs_saved"].values()] == [{"bit_identical": True, "max_abs_diff": 0.0}] * 2
+    assert list(r["from_host_bit_identical"].values()) == [True] * 2  # the same inputs from host memory
 
 
 @pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in LIBRARIES))

@@ -228,7 +228,7 @@ def _through_staging(config, inputs, noise, state_dim: int = 0, frames: bool = T
     spec = BufferSpec.of(config, b, torch.float32, length, state_dim)
     staging.ready()
     order = into_staging(inputs, noise, staging.views(spec), frames)
-    staging.upload(order is not None)
+    staging.upload_inputs(order is not None)
     views = spec.views(buffers)
     if frames:
         from_staging(inputs, views, order)
@@ -314,7 +314,7 @@ def test_on_a_gpu_a_staged_block_is_rewritten_only_once_its_upload_has_read_it(g
         if not seen:
             torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the first upload
         order = into_staging(inputs, noise, staging.host, True)
-        staging.upload(True)
+        staging.upload_inputs(True)
         from_staging(inputs, buffers, order)
         seen.append((inputs, noise, {n: buffers[n].clone() for n in ("images", "tokens", "noise")}))
     torch.cuda.synchronize()

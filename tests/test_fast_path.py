@@ -96,3 +96,38 @@ def test_a_prompt_bucket_runs_on_views_of_the_full_length_buffers(fast_policy):
     assert (actions - expected).abs().max() < 1e-5
     with pytest.raises(ValueError, match="does not fit"):
         BufferSpec.of(policy.config, b + 1, dtype).views(full)
+
+
+def test_the_guidance_table_is_the_euler_loops_weights():
+    """The fast path's per-step RTC guidance weights, computed on the host once per (schedule, max weight),
+    are rtc_guidance_weight's at each step, bit for bit, including the schedule's ends (t = 1: the weight is
+    1/0 -> clipped to the max; a zero max weight: an item without RTC)."""
+    from vlaserve.model.flow import euler_times
+    from vlaserve.model.rtc import guidance_table, rtc_guidance_weight
+
+    max_weight = torch.tensor([5.0, 0.0, 10.0, 0.3])
+    for times in (euler_times(10), euler_times(3), [1.0, 0.5, 0.0]):
+        expected = torch.stack([rtc_guidance_weight(t, max_weight) for t in times])
+        table = guidance_table(times, max_weight)
+        assert table.dtype == torch.float32 and torch.equal(table, expected)
+        assert torch.equal(guidance_table(times, max_weight), table)  # from the cache: the same
+    assert guidance_table([1.0], max_weight)[0].tolist() == max_weight.tolist()
+
+
+def test_static_rtc_goes_up_in_one_block():
+    """StaticRTC's three buffers are views of one block, each 16-byte aligned (Triton specializes on it),
+    and `fill` writes them through the host mirror: the guidance the table gives, prev and weights as sent."""
+    from vlaserve.model.flow import euler_times
+    from vlaserve.model.rtc import RTCGuidance, guidance_table
+
+    g = torch.Generator().manual_seed(0)
+    for b in (1, 3, 5):
+        static = StaticRTC.allocate(b, 50, 32, 10, "cpu")
+        block = static.mirror.device_block
+        for t in (static.prev, static.weights, static.guidance):
+            assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() and t.data_ptr() % 16 == 0
+        assert all(static.guidance[s].data_ptr() % 16 == 0 for s in range(10))
+        rtc = RTCGuidance(torch.randn(b, 50, 32, generator=g), torch.rand(b, 50, generator=g), torch.rand(b) * 10)
+        static.fill(rtc, euler_times(10))
+        assert torch.equal(static.prev, rtc.prev) and torch.equal(static.weights, rtc.weights)
+        assert torch.equal(static.guidance, guidance_table(euler_times(10), rtc.max_weight))

@@ -18,7 +18,7 @@ import torch
 from safetensors.numpy import load_file
 
 from .model.flow import euler_times, sinusoidal_time_embedding
-from .model.rtc import RTCGuidance, rtc_guidance_weight
+from .model.rtc import rtc_guidance_weight
 from .processing.prepare import model_images, to_device
 
 # Bugs move these values by 1e-3 or more (golden README §3); independent float32
@@ -127,7 +127,7 @@ def compare_case(policy, case: GoldenCase) -> tuple[dict[str, bool], dict[str, f
                                          model.config.time_min_period, model.config.time_max_period) for s in times]
         delta("trace.time_emb", torch.stack(emb), t["expected.trace.time_emb"])
         if rtc is not None:
-            rtc = RTCGuidance(rtc.prev.to(device), rtc.weights.to(device), rtc.max_weight.to(device))
+            rtc = rtc.to(device)
         trace: dict = {}
         actions_model = model.denoise(ctx, noise, steps, rtc, trace=trace)
         for name in ("x_t", "v_t", "adarms_cond", "v_guided"):

@@ -4,6 +4,7 @@ weight. Used by both families' Euler loop (model/flow.py) and by the fast path."
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ class RTCGuidance:
     prev: torch.Tensor
     weights: torch.Tensor
     max_weight: torch.Tensor
+
+    def to(self, device) -> "RTCGuidance":
+        return RTCGuidance(*(t.to(device, non_blocking=True) for t in (self.prev, self.weights, self.max_weight)))
 
     def guide(self, v: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
         error = (self.prev - (x - t * v)) * self.weights[..., None]
@@ -42,6 +46,20 @@ def rtc_guidance_weight(t: float, max_weight: torch.Tensor) -> torch.Tensor:
     g = c * inv_r2
     g = torch.where(torch.isposinf(g), max_weight, torch.nan_to_num(g, posinf=0.0))
     return torch.minimum(g, max_weight)
+
+
+def guidance_table(times: list[float], max_weight: torch.Tensor) -> torch.Tensor:
+    """[S, B] float32 on the host: `rtc_guidance_weight` at each step's time for each item, as the Euler
+    loop computes it step by step (the same float32 operations, each exact or correctly rounded on any
+    device: the same values). A robot keeps its max weight from call to call, so each (schedule, max
+    weight) is computed once."""
+    return torch.stack([_guidance_column(tuple(times), w) for w in max_weight.tolist()], dim=1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _guidance_column(times: tuple[float, ...], max_weight: float) -> torch.Tensor:
+    weight = torch.tensor([max_weight], dtype=torch.float32)
+    return torch.cat([rtc_guidance_weight(t, weight) for t in times])
 
 
 def rtc_prefix_weights(inference_delay: int, execution_horizon: int, horizon: int, schedule: str = "linear"):

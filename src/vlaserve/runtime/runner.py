@@ -80,7 +80,9 @@ class EagerRunner:
 
     @torch.no_grad()
     def launch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True):
+        # non_blocking: a plain copy would wait for the batch the device is still running.
         inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
+        rtc = None if rtc is None else rtc.to(self.device)
         t0 = time.perf_counter()  # (the eager model runs every slot; absent ones are masked; no graphs)
         if prefix is not None:
             kv = [(torch.stack([e.k[layer] for e in prefix])[:, None], torch.stack([e.v[layer] for e in prefix])[:, None])
@@ -357,7 +359,7 @@ class Runtime:
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on
         work already running (inputs go up from host memory without a stream sync, the actions come
         back into pinned memory, and an event marks when they are there; the runner moves the inputs
-        itself: the fast path straight into its static buffers). `use_cache`: per item,
+        itself, RTC guidance too: the fast path straight into its static buffers). `use_cache`: per item,
         whether it may use the prefix cache (default all); `graphs=False`: no graph replay."""
         cache = self.prefix_cache
         if use_cache is not None and not any(use_cache):
@@ -374,9 +376,6 @@ class Runtime:
             self._await_graphs(inputs.tokens.shape[1], vision_slots, num_steps, rtc is not None)
         with self.turns.serving():
             runner = self.runner
-            # non_blocking: a plain copy would wait for the batch the device is still running.
-            if rtc is not None:
-                rtc = RTCGuidance(*(t.to(self.device, non_blocking=True) for t in (rtc.prev, rtc.weights, rtc.max_weight)))
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
             actions, stages = runner.launch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots,
                                             graphs=graphs)

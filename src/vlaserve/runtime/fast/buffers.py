@@ -7,7 +7,7 @@ K/V cache holds the prefix's keys and values in its first `prefix_len` rows and 
 in the next `horizon`, padded to the attention kernels' key tile.
 
 What a call writes from the host (`HOST_INPUTS`) lies in one block, `inputs`, mirrored in pinned host
-memory (`InputStaging`): a call's inputs are written into the mirror and go up in one copy.
+memory (`InputStaging`, a `HostMirror`): a call's inputs are written into the mirror and go up in one copy.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class BufferSpec:
         for name in HOST_INPUTS:
             if name in layout:
                 offsets[name] = at
-                at = -(-(at + _nbytes(*layout[name])) // INPUT_ALIGN) * INPUT_ALIGN
+                at = aligned(at + _nbytes(*layout[name]))
         return {**offsets, "end": at}
 
     def nbytes(self) -> int:
@@ -112,16 +112,18 @@ class BufferSpec:
                 buffers[name] = torch.zeros(shape, dtype=dtype, device=device)
         return buffers
 
-    def allocate_inputs(self, device, pin: bool = False) -> dict[str, torch.Tensor]:
-        """The `inputs` block (uint8) and HOST_INPUTS' typed views of it; `pin`: in pinned host memory
-        (the block's host mirror)."""
+    def allocate_inputs(self, device) -> dict[str, torch.Tensor]:
+        """The `inputs` block (uint8) and HOST_INPUTS' typed views of it."""
+        return self.input_views(torch.zeros(self.input_offsets()["end"], dtype=torch.uint8, device=device))
+
+    def input_views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HOST_INPUTS as typed views of `block` (an `inputs` block, or its host mirror), masks set all-true."""
         offsets, layout = self.input_offsets(), self.layout()
-        block = torch.zeros(offsets["end"], dtype=torch.uint8, device=device, pin_memory=pin)
         buffers = {"inputs": block}
         for name, start in offsets.items():
             if name != "end":
                 shape, dtype = layout[name]
-                buffers[name] = block[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+                buffers[name] = typed_view(block, start, shape, dtype)
                 if dtype == torch.bool:
                     buffers[name].fill_(True)
         return buffers
@@ -134,28 +136,29 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
-class InputStaging:
-    """A batch size's pinned host mirror of its `inputs` block, and the event of its last upload. A call's
-    host inputs are written into the mirror (processing.prepare.into_staging) and go up in one copy
-    (`upload`) that the host does not wait for; the next call's writes wait until that copy has read the
-    mirror (`ready`: long done, normally, as the batcher launches one batch ahead at most). Against
-    copying each input up from where it lies (pageable memory, five copies through the driver's staging
-    buffer): one host copy a frame, and one copy up."""
+def typed_view(block: torch.Tensor, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of a uint8 `block` from `start` (a multiple of dtype's size) as a [shape] tensor of `dtype`."""
+    return block[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
 
-    def __init__(self, spec: BufferSpec, device_block: torch.Tensor):
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to INPUT_ALIGN: where the next view of a block starts."""
+    return -(-nbytes // INPUT_ALIGN) * INPUT_ALIGN
+
+
+class HostMirror:
+    """A device block's mirror in pinned host memory (plain memory for a CPU block), and the event of its
+    last upload: a call writes its inputs into the mirror and they go up in one copy (`upload`) that the
+    host does not wait for; the next call's writes wait until that copy has read the mirror (`ready`:
+    long done, normally, as the batcher launches one batch ahead at most). Against copying each input up
+    from where it lies (pageable memory: one copy through the driver's staging buffer each), one copy up."""
+
+    def __init__(self, device_block: torch.Tensor):
         self.device_block = device_block
         self.cuda = device_block.device.type == "cuda"
-        self.host = spec.allocate_inputs("cpu", pin=self.cuda)
-        self.frames_at = spec.input_offsets()["image_bytes"]
-        self._views: dict[int, dict[str, torch.Tensor]] = {spec.token_len: self.host}  # per prompt length
+        self.block = torch.zeros(device_block.numel(), dtype=torch.uint8, pin_memory=self.cuda)
         self._uploaded = torch.cuda.Event() if self.cuda else None
         self._pending = False
-
-    def views(self, spec: BufferSpec) -> dict[str, torch.Tensor]:
-        """The mirror's views for `spec` (this batch size at a prompt bucket: views of the full length's)."""
-        if spec.token_len not in self._views:
-            self._views[spec.token_len] = spec.views(self.host)
-        return self._views[spec.token_len]
 
     def ready(self) -> None:
         """Waits until the last upload has read the mirror. The caller holds the device lock (no capture
@@ -164,10 +167,31 @@ class InputStaging:
             self._uploaded.synchronize()
             self._pending = False
 
-    def upload(self, frames: bool) -> None:
-        """The mirror's inputs up into the device block, the frames too if `frames`."""
-        n = self.device_block.numel() if frames else self.frames_at
-        self.device_block[:n].copy_(self.host["inputs"][:n], non_blocking=True)
+    def upload(self, nbytes: int | None = None) -> None:
+        """The mirror's first `nbytes` (default all) up into the device block."""
+        n = self.device_block.numel() if nbytes is None else nbytes
+        self.device_block[:n].copy_(self.block[:n], non_blocking=True)
         if self.cuda:
             self._uploaded.record()
             self._pending = True
+
+
+class InputStaging(HostMirror):
+    """A batch size's `inputs` block and its mirror (HostMirror), with HOST_INPUTS' views of the mirror
+    (processing.prepare.into_staging writes a call's host inputs there)."""
+
+    def __init__(self, spec: BufferSpec, device_block: torch.Tensor):
+        super().__init__(device_block)
+        self.host = spec.input_views(self.block)
+        self.frames_at = spec.input_offsets()["image_bytes"]
+        self._views: dict[int, dict[str, torch.Tensor]] = {spec.token_len: self.host}  # per prompt length
+
+    def views(self, spec: BufferSpec) -> dict[str, torch.Tensor]:
+        """The mirror's views for `spec` (this batch size at a prompt bucket: views of the full length's)."""
+        if spec.token_len not in self._views:
+            self._views[spec.token_len] = spec.views(self.host)
+        return self._views[spec.token_len]
+
+    def upload_inputs(self, frames: bool) -> None:
+        """The mirror's inputs up, the frames' bytes too if `frames`."""
+        self.upload(None if frames else self.frames_at)

@@ -466,7 +466,7 @@ class FastRunner:
         staging = self._staging[b]
         staging.ready()
         order = into_staging(inputs, noise, staging.views(self._spec(b, token_len)), frames)
-        staging.upload(order is not None)
+        staging.upload_inputs(order is not None)
         if frames:
             from_staging(inputs, buf, order)
 

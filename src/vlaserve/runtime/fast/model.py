@@ -10,6 +10,7 @@ Every method is CUDA-graph safe (graphs.py captures them), except the prefix whe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,10 @@ from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
 from ...model.fp8 import Fp8Linear, linear_fp8, quantize_rows
 from ...model.pi05 import Pi05Model
-from ...model.rtc import RTCGuidance, rtc_guidance_weight
+from ...model.rtc import RTCGuidance, guidance_table
 from ...errors import ConfigError
 from . import cute, flash, fp8_kernels, kernels
+from .buffers import HostMirror, aligned, typed_view
 from .weights import Fp8Weight, FusedWeights, weight_of
 
 
@@ -426,6 +428,8 @@ class StaticRTC:
     prev: torch.Tensor  # [B, H, A]
     weights: torch.Tensor  # [B, H]
     guidance: torch.Tensor  # [S, B] guidance weight per step and item
+    mirror: HostMirror  # the three lie in one block (views of it in `host`), filled from the host in one copy
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     @staticmethod
     def allocate(b: int, horizon: int, action_dim: int, steps: int, device) -> "StaticRTC":
@@ -434,11 +438,25 @@ class StaticRTC:
         step that reads guidance[step] is then the same kernel at every step, and a warm-up of
         graphs.WARMUP_STEPS steps launches every kernel a call's steps do."""
         row = -(-b // 4) * 4
-        return StaticRTC(torch.zeros(b, horizon, action_dim, device=device), torch.zeros(b, horizon, device=device),
-                         torch.zeros(steps, row, device=device)[:, :b])
+        shapes = ((b, horizon, action_dim), (b, horizon), (steps, row))
+        starts = [0]
+        for shape in shapes:
+            starts.append(aligned(starts[-1] + 4 * math.prod(shape)))
+        block = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
+        mirror = HostMirror(block)
+
+        def views(of: torch.Tensor):
+            prev, weights, guidance = (typed_view(of, start, shape, torch.float32) for start, shape in zip(starts, shapes))
+            return prev, weights, guidance[:, :b]
+
+        return StaticRTC(*views(block), mirror, views(mirror.block))
 
     def fill(self, rtc: RTCGuidance, times: list[float]) -> None:
-        self.prev.copy_(rtc.prev)
-        self.weights.copy_(rtc.weights)
-        self.guidance.copy_(torch.stack([rtc_guidance_weight(t, rtc.max_weight) for t in times]))
-
+        """This call's guidance (from the host, as the runtime passes it; device tensors come back first):
+        written into the host mirror, the per-step weights computed there (`guidance_table`), up in one copy."""
+        self.mirror.ready()
+        prev, weights, guidance = self.host
+        prev.copy_(rtc.prev)
+        weights.copy_(rtc.weights)
+        guidance.copy_(guidance_table(times, rtc.max_weight))
+        self.mirror.upload()
