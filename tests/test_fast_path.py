@@ -131,3 +131,90 @@ def test_static_rtc_goes_up_in_one_block():
         static.fill(rtc, euler_times(10))
         assert torch.equal(static.prev, rtc.prev) and torch.equal(static.weights, rtc.weights)
         assert torch.equal(static.guidance, guidance_table(euler_times(10), rtc.max_weight))
+
+
+class _HostEvent:
+    """A CUDA event's stand-in on the CPU, where every operation has finished when it returns."""
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+@pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
+def test_fast_runner_takes_a_host_batch_through_its_staged_blocks(fast_policy, case_dir, monkeypatch):
+    """FastRunner.launch as the runtime calls it (host inputs, RTC from the host), without graphs on the CPU:
+    the frames' bytes, masks, token ids and noise go through the batch size's staged block (twice: the second
+    call's values replace the first's, a bucket's views included) and RTC through StaticRTC's; the reference's
+    actions, as the math test above (1e-5)."""
+    from vlaserve.runtime.fast.graphs import FastRunner
+
+    policy, _ = fast_policy
+    case = GoldenCase.load(case_dir)
+    runner = FastRunner(policy.model, policy.config, use_graphs=False, use_triton=False)
+    monkeypatch.setattr(runner, "_events", lambda: (_HostEvent(), _HostEvent(), _HostEvent()))
+    rtcs = case.rtcs() or [None] * case.meta["batch_size"]
+    inputs, _, guidance = policy.preprocessor.collate([policy.request(o, rtc=r)
+                                                       for o, r in zip(case.observations(), rtcs)])
+    noise = torch.from_numpy(case.tensors["input.noise"])
+    expected = torch.from_numpy(case.tensors["expected.actions_model"])
+    bucket = int(inputs.token_mask.sum(1).max()) + 1
+    shorter = type(inputs)(inputs.images, inputs.image_masks, inputs.tokens[:, :bucket].contiguous(),
+                           inputs.token_mask[:, :bucket].contiguous(), inputs.state, inputs.pending)
+    other = torch.randn(noise.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        runner.launch(inputs, other, case.meta["num_steps"], guidance)  # stale values in every block
+        for batch in (inputs, shorter):
+            actions, _ = runner.launch(batch, noise, case.meta["num_steps"], guidance)
+            assert (actions - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["hwc", "chw", "resize"])
+def test_fast_runner_takes_camera_bytes_through_its_staged_block(fast_policy, layout, monkeypatch):
+    """Raw camera bytes, as robots send them (channels-last, or channels-first; one frame to resize where the
+    batch runs), at a prompt bucket: FastRunner.launch from the host gives exactly the actions of the same
+    kernels on `to_device`'s inputs (the eager runner's way up: the same conversion of the same bytes)."""
+    import numpy as np
+
+    from vlaserve.processing.prepare import to_device
+    from vlaserve.runtime.fast.graphs import FastRunner
+
+    policy, fast = fast_policy
+    rng = np.random.default_rng(2)
+    frames = [{cam: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for cam in policy.config.cameras}
+              for _ in range(2)]
+    if layout == "chw":
+        frames = [{cam: np.ascontiguousarray(f.transpose(2, 0, 1)) for cam, f in item.items()} for item in frames]
+    if layout == "resize":
+        frames[1][policy.config.cameras[0]] = rng.integers(0, 256, (180, 320, 3), dtype=np.uint8)
+    state = np.zeros(policy.config.state_dim, dtype=np.float32)
+    pre = policy.preprocessor
+    deferred, pre.defer_resize = pre.defer_resize, True
+    try:
+        requests = [policy.request({"images": f, "state": state, "task": "pick"}, seed=i) for i, f in enumerate(frames)]
+        inputs, noise, _ = pre.collate(requests)
+    finally:
+        pre.defer_resize = deferred
+    assert inputs.images.dtype == torch.uint8 and bool(inputs.pending) == (layout == "resize")
+    bucket = int(inputs.token_mask.sum(1).max()) + 1
+    inputs = type(inputs)(inputs.images, inputs.image_masks, inputs.tokens[:, :bucket].contiguous(),
+                          inputs.token_mask[:, :bucket].contiguous(), inputs.state, inputs.pending)
+    runner = FastRunner(policy.model, policy.config, use_graphs=False, use_triton=False)
+    monkeypatch.setattr(runner, "_events", lambda: (_HostEvent(), _HostEvent(), _HostEvent()))
+    moved = to_device(inputs, torch.device("cpu"))
+    b = len(requests)
+    k = torch.zeros(runner.buffers(b, bucket)["k_cache"].shape)
+    v = torch.zeros_like(k)
+    with torch.no_grad():
+        actions, _ = runner.launch(inputs, noise, 10)
+        pad = fast.prefix(moved.images, moved.image_masks, moved.tokens, moved.token_mask, k, v, inputs.vision_slots())
+        expected = fast.denoise(pad, noise, fast.schedule(10), k, v)
+    assert torch.equal(actions, expected)

@@ -165,7 +165,12 @@ class FastRunner:
 
     def buffers(self, b: int, token_len: int) -> dict:
         """The static buffers of batch size b: allocated at the checkpoint's prompt length, views of
-        those for a shorter one (a prompt bucket; the calls of one runner run in stream order)."""
+        those for a shorter one (a prompt bucket; the calls of one runner run in stream order). The
+        host mirror of their input block comes with them (pinning memory takes milliseconds: at the
+        capture, not on a call's path)."""
+        if b not in self._staging:
+            full = self.config.max_token_len
+            self._staging[b] = InputStaging(self._spec(b, full), self._buffer_set(self._buffers, b, full)["inputs"])
         return self._buffer_set(self._buffers, b, token_len)
 
     def _rtc_buffers(self, b: int, token_len: int, num_steps: int, store: dict | None = None) -> StaticRTC:
@@ -460,10 +465,7 @@ class FastRunner:
                 buf["state"].copy_(inputs.state, non_blocking=True)
             buf["noise"].copy_(noise, non_blocking=True)
             return
-        if b not in self._staging:
-            self._staging[b] = InputStaging(self._spec(b, self.config.max_token_len),
-                                            self.buffers(b, self.config.max_token_len)["inputs"])
-        staging = self._staging[b]
+        staging = self._staging[b]  # (made with `buf`)
         staging.ready()
         order = into_staging(inputs, noise, staging.views(self._spec(b, token_len)), frames)
         staging.upload_inputs(order is not None)
