@@ -53,7 +53,8 @@ def guidance_table(times: list[float], max_weight: torch.Tensor) -> torch.Tensor
     loop computes it step by step (the same float32 operations, each exact or correctly rounded on any
     device: the same values). A robot keeps its max weight from call to call, so each (schedule, max
     weight) is computed once."""
-    return torch.stack([_guidance_column(tuple(times), w) for w in max_weight.tolist()], dim=1)
+    times = tuple(times)
+    return torch.stack([_guidance_column(times, w) for w in max_weight.tolist()], dim=1)
 
 
 @functools.lru_cache(maxsize=1024)
