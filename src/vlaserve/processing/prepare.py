@@ -231,10 +231,7 @@ def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
     else:
         images.copy_(inputs.images, non_blocking=True)
     _place_pending(inputs, images)
-    for name in ("image_masks", "tokens", "token_mask"):
-        buffers[name].copy_(getattr(inputs, name), non_blocking=True)
-    if inputs.state is not None:
-        buffers["state"].copy_(inputs.state, non_blocking=True)
+    _small_inputs_into(inputs, buffers)
 
 
 def into_staging(inputs: ModelInputs, noise: torch.Tensor, host: dict[str, torch.Tensor], frames: bool) -> str | None:
@@ -243,10 +240,7 @@ def into_staging(inputs: ModelInputs, noise: torch.Tensor, host: dict[str, torch
     and with `frames` the camera frames if they are bytes, each a plain copy in the memory order it
     arrived in -> that order ("hwc": channels-last, as cameras send them; "chw"), or None where no
     frames went (`frames` false, as for a cached prefix; float frames: `from_staging` copies them up)."""
-    for name in ("image_masks", "tokens", "token_mask"):
-        host[name].copy_(getattr(inputs, name))
-    if inputs.state is not None:
-        host["state"].copy_(inputs.state)
+    _small_inputs_into(inputs, host)
     host["noise"].copy_(noise)
     if not frames or inputs.images.dtype != torch.uint8:
         return None
@@ -271,6 +265,14 @@ def _frames_in(image_bytes: torch.Tensor, shape: torch.Size, order: str) -> torc
     """A block's frame bytes [B, N*3*S*S] as frames [B, N, 3, S, S] laid out in `order`."""
     b, n, c, s, _ = shape
     return image_bytes.view(b, n, s, s, c).permute(0, 1, 4, 2, 3) if order == "hwc" else image_bytes.view(b, n, c, s, s)
+
+
+def _small_inputs_into(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
+    """The masks, token ids and Pi0's state copied into `buffers` (without a stream sync to the device)."""
+    for name in ("image_masks", "tokens", "token_mask"):
+        buffers[name].copy_(getattr(inputs, name), non_blocking=True)
+    if inputs.state is not None:
+        buffers["state"].copy_(inputs.state, non_blocking=True)
 
 
 def _place_pending(inputs: ModelInputs, images: torch.Tensor) -> None:

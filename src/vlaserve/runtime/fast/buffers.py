@@ -78,12 +78,10 @@ class BufferSpec:
 
     def input_offsets(self) -> dict[str, int]:
         """Where each of HOST_INPUTS starts in the `inputs` block, and its end under "end"."""
-        layout, offsets, at = self.layout(), {}, 0
-        for name in HOST_INPUTS:
-            if name in layout:
-                offsets[name] = at
-                at = aligned(at + _nbytes(*layout[name]))
-        return {**offsets, "end": at}
+        layout = self.layout()
+        names = [name for name in HOST_INPUTS if name in layout]
+        starts, end = block_layout([layout[name] for name in names])
+        return {**dict(zip(names, starts)), "end": end}
 
     def nbytes(self) -> int:
         return self.input_offsets()["end"] + sum(_nbytes(shape, dtype) for name, (shape, dtype) in self.layout().items()
@@ -141,9 +139,14 @@ def typed_view(block: torch.Tensor, start: int, shape: tuple[int, ...], dtype: t
     return block[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
 
 
-def aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to INPUT_ALIGN: where the next view of a block starts."""
-    return -(-nbytes // INPUT_ALIGN) * INPUT_ALIGN
+def block_layout(entries: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """Where each (shape, dtype) of `entries` starts in one uint8 block that holds them in order, each
+    INPUT_ALIGN-aligned, and the block's size."""
+    starts, at = [], 0
+    for shape, dtype in entries:
+        starts.append(at)
+        at = -(-(at + _nbytes(shape, dtype)) // INPUT_ALIGN) * INPUT_ALIGN
+    return starts, at
 
 
 class HostMirror:

@@ -10,7 +10,6 @@ Every method is CUDA-graph safe (graphs.py captures them), except the prefix whe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance, guidance_table
 from ...errors import ConfigError
 from . import cute, flash, fp8_kernels, kernels
-from .buffers import HostMirror, aligned, typed_view
+from .buffers import HostMirror, block_layout, typed_view
 from .weights import Fp8Weight, FusedWeights, weight_of
 
 
@@ -439,10 +438,8 @@ class StaticRTC:
         graphs.WARMUP_STEPS steps launches every kernel a call's steps do."""
         row = -(-b // 4) * 4
         shapes = ((b, horizon, action_dim), (b, horizon), (steps, row))
-        starts = [0]
-        for shape in shapes:
-            starts.append(aligned(starts[-1] + 4 * math.prod(shape)))
-        block = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
+        starts, size = block_layout([(shape, torch.float32) for shape in shapes])
+        block = torch.zeros(size, dtype=torch.uint8, device=device)
         mirror = HostMirror(block)
 
         def views(of: torch.Tensor):
