@@ -368,7 +368,7 @@ def served_actions(smoke: bool, device: str, capture_warmups: str | None = None)
         rtc = rtc_guidance(b, seed=b, device=device)
         out[b] = sample(runner, inputs, noise)[0].cpu()
         rtc_out[b] = sample(runner, inputs, noise, rtc=rtc)[0].cpu()
-        # The server's way in: the same inputs and guidance from host memory (the runner's staged blocks).
+        # The server's way in: the same inputs and guidance from host memory (copied up by the runner).
         host = ModelInputs(*(t.cpu() for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
         from_host[b] = (torch.equal(sample(runner, host, noise.cpu())[0].cpu(), out[b])
                         and torch.equal(sample(runner, host, noise.cpu(), rtc=rtc.to("cpu"))[0].cpu(), rtc_out[b]))

@@ -9,8 +9,8 @@ import torch
 from conftest import golden_dir
 from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 from vlaserve.processing.images import bytes_to_model_range, finish_frame, prepare_image
-from vlaserve.processing.prepare import from_staging, into_buffers, into_staging
-from vlaserve.runtime.fast.buffers import BufferSpec, InputStaging
+from vlaserve.processing.prepare import into_buffers
+from vlaserve.runtime.fast.buffers import BufferSpec
 
 CASES = case_dirs(golden_dir())
 
@@ -180,12 +180,6 @@ def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_dev
             assert torch.equal(buffers["images"], device_images)
             for name in ("image_masks", "tokens", "token_mask"):
                 assert torch.equal(buffers[name], getattr(inputs, name))
-            # And through the batch size's staged block (the fast path's way from the host): the same.
-            staged, order = _through_staging(golden_policy.config, inputs, torch.zeros(len(batch), 50, 32))
-            assert order == ("chw" if layout in ("chw", "flipped") else "hwc")  # as the frames lie: no transposition
-            assert torch.equal(staged["images"], device_images)
-            for name in ("image_masks", "tokens", "token_mask"):
-                assert torch.equal(staged[name], getattr(inputs, name))
     finally:
         pre.defer_resize = deferred
 
@@ -213,114 +207,6 @@ def test_on_a_gpu_the_buffers_get_the_hosts_model_inputs(golden_policy):
     host = to_device(inputs, torch.device("cpu"))
     for name in ("images", "image_masks", "tokens", "token_mask"):
         assert torch.equal(buffers[name].cpu(), getattr(host, name)), name
-
-
-def _through_staging(config, inputs, noise, state_dim: int = 0, frames: bool = True, stale: bool = True):
-    """`inputs` the fast path's way from the host, on the CPU: into the host mirror of the batch size's input
-    block (stale values in it and in the device buffers first), up in one copy, finished there -> (the
-    buffers at the inputs' prompt length, the frames' order)."""
-    b, length = inputs.tokens.shape
-    full = BufferSpec.of(config, b, torch.float32, state_dim=state_dim)
-    buffers = full.allocate("cpu")
-    staging = InputStaging(full, buffers["inputs"])
-    if stale:  # (the mirror's differ from the device's: an upload of what was not written shows)
-        buffers["inputs"].fill_(7), buffers["images"].fill_(7), staging.host["inputs"].fill_(9)
-    spec = BufferSpec.of(config, b, torch.float32, length, state_dim)
-    staging.ready()
-    order = into_staging(inputs, noise, staging.views(spec), frames)
-    staging.upload_inputs(order is not None)
-    views = spec.views(buffers)
-    if frames:
-        from_staging(inputs, views, order)
-    if order is not None:  # the frames' bytes went as they lie in memory: a plain copy, no transposition
-        lying = inputs.images.permute(0, 1, 3, 4, 2) if order == "hwc" else inputs.images
-        assert lying.is_contiguous() and torch.equal(staging.host["image_bytes"], lying.reshape(b, -1))
-    return views, order
-
-
-def test_staged_inputs_at_a_prompt_bucket_float_frames_a_state_and_a_cached_prefix(golden_policy):
-    """The staged block at a prompt bucket (views of the full length's rows), with float frames (copied up
-    apart: not bytes), Pi0's state and the noise; a cached prefix's call (`frames` false) uploads only the
-    small inputs and leaves the frames' bytes on the device as they were."""
-    from vlaserve.types import ModelInputs
-
-    rng = np.random.default_rng(5)
-    config = golden_policy.config
-    images = torch.from_numpy(rng.uniform(-1, 1, (2, 3, 3, 224, 224)).astype(np.float32))
-    tokens = torch.from_numpy(rng.integers(0, 1000, (2, 16)))
-    inputs = ModelInputs(images, torch.tensor([[True, False, True], [True, True, True]]), tokens,
-                         torch.from_numpy(rng.uniform(size=(2, 16)) < 0.5),
-                         torch.from_numpy(rng.standard_normal((2, 32)).astype(np.float32)))
-    noise = torch.from_numpy(rng.standard_normal((2, 50, 32)).astype(np.float32))
-    staged, order = _through_staging(config, inputs, noise, state_dim=32)
-    assert order is None and staged["tokens"].shape == (2, 16)
-    for name in ("images", "image_masks", "tokens", "token_mask", "state"):
-        assert torch.equal(staged[name], getattr(inputs, name)), name
-    assert torch.equal(staged["noise"], noise)
-
-    byte_inputs = ModelInputs(torch.from_numpy(rng.integers(0, 256, (2, 3, 3, 224, 224), dtype=np.uint8)),
-                              inputs.image_masks, tokens, inputs.token_mask, inputs.state)
-    staged, order = _through_staging(config, byte_inputs, noise, state_dim=32, frames=False)
-    assert order is None
-    assert torch.equal(staged["tokens"], tokens) and torch.equal(staged["state"], inputs.state)
-    assert torch.equal(staged["noise"], noise)
-    assert (staged["image_bytes"] == 7).all()  # not uploaded: the device's stale bytes, not the mirror's
-
-
-def test_an_input_block_holds_each_input_apart_and_aligned(golden_policy):
-    """Every typed view of the block starts on INPUT_ALIGN bytes and no two overlap; the memory estimate
-    counts the block once."""
-    from vlaserve.runtime.fast.buffers import HOST_INPUTS, INPUT_ALIGN
-
-    for state_dim in (0, 32):
-        spec = BufferSpec.of(golden_policy.config, 3, torch.bfloat16, state_dim=state_dim)
-        buffers = spec.allocate("cpu")
-        block = buffers["inputs"]
-        spans = []
-        for name in HOST_INPUTS:
-            if name == "state" and not state_dim:
-                assert name not in buffers
-                continue
-            view = buffers[name]
-            start = view.data_ptr() - block.data_ptr()
-            assert start % INPUT_ALIGN == 0 and view.is_contiguous()
-            spans.append((start, start + view.numel() * view.element_size()))
-        spans.sort()
-        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
-        assert spans[-1][1] <= block.numel()
-        others = sum(t.numel() * t.element_size() for n, t in buffers.items() if n not in HOST_INPUTS + ("inputs",))
-        assert spec.nbytes() == block.numel() + others
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
-def test_on_a_gpu_a_staged_block_is_rewritten_only_once_its_upload_has_read_it(golden_policy):
-    """Two calls of one batch size back to back, the first's upload queued behind a long kernel: the second's
-    host writes wait for it (`ready`), so the device holds each call's inputs in turn, converted as on the host."""
-    from vlaserve.processing.prepare import to_device
-    from vlaserve.types import ModelInputs
-
-    rng = np.random.default_rng(13)
-    full = BufferSpec.of(golden_policy.config, 1, torch.bfloat16)
-    buffers = full.allocate("cuda")
-    staging = InputStaging(full, buffers["inputs"])
-    assert staging.host["inputs"].is_pinned()
-    seen = []
-    for _ in range(2):
-        inputs = ModelInputs(torch.from_numpy(rng.integers(0, 256, (1, 3, 224, 224, 3), dtype=np.uint8)).permute(0, 1, 4, 2, 3),
-                             torch.tensor([[True, True, False]]), torch.from_numpy(rng.integers(0, 1000, (1, 200))),
-                             torch.ones(1, 200, dtype=torch.bool))
-        noise = torch.from_numpy(rng.standard_normal((1, 50, 32)).astype(np.float32))
-        staging.ready()
-        if not seen:
-            torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the first upload
-        order = into_staging(inputs, noise, staging.host, True)
-        staging.upload_inputs(True)
-        from_staging(inputs, buffers, order)
-        seen.append((inputs, noise, {n: buffers[n].clone() for n in ("images", "tokens", "noise")}))
-    torch.cuda.synchronize()
-    for inputs, noise, got in seen:
-        assert torch.equal(got["images"].cpu(), to_device(inputs, torch.device("cpu")).images)
-        assert torch.equal(got["tokens"].cpu(), inputs.tokens) and torch.equal(got["noise"].cpu(), noise)
 
 
 def test_float_images_and_a_state_go_straight_into_the_buffers_as_they_are(golden_policy):

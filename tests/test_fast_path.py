@@ -150,11 +150,11 @@ class _HostEvent:
 
 
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
-def test_fast_runner_takes_a_host_batch_through_its_staged_blocks(fast_policy, case_dir, monkeypatch):
+def test_fast_runner_takes_a_host_batch_into_its_static_buffers(fast_policy, case_dir, monkeypatch):
     """FastRunner.launch as the runtime calls it (host inputs, RTC from the host), without graphs on the CPU:
-    the frames' bytes, masks, token ids and noise go through the batch size's staged block (twice: the second
-    call's values replace the first's, a bucket's views included) and RTC through StaticRTC's; the reference's
-    actions, as the math test above (1e-5)."""
+    the frames' bytes, masks, token ids and noise go into the batch size's static buffers (twice: the second
+    call's values replace the first's, a bucket's views included) and RTC through StaticRTC's host mirror;
+    the reference's actions, as the math test above (1e-5)."""
     from vlaserve.runtime.fast.graphs import FastRunner
 
     policy, _ = fast_policy
@@ -180,7 +180,7 @@ def test_fast_runner_takes_a_host_batch_through_its_staged_blocks(fast_policy, c
 
 
 @pytest.mark.parametrize("layout", ["hwc", "chw", "resize"])
-def test_fast_runner_takes_camera_bytes_through_its_staged_block(fast_policy, layout, monkeypatch):
+def test_fast_runner_takes_camera_bytes_from_the_host(fast_policy, layout, monkeypatch):
     """Raw camera bytes, as robots send them (channels-last, or channels-first; one frame to resize where the
     batch runs), at a prompt bucket: FastRunner.launch from the host gives exactly the actions of the same
     kernels on `to_device`'s inputs (the eager runner's way up: the same conversion of the same bytes)."""

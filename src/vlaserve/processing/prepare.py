@@ -230,54 +230,12 @@ def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
         bytes_to_model_range(inputs.images.to(images.device, non_blocking=True), out=images)
     else:
         images.copy_(inputs.images, non_blocking=True)
-    _place_pending(inputs, images)
-    _small_inputs_into(inputs, buffers)
-
-
-def into_staging(inputs: ModelInputs, noise: torch.Tensor, host: dict[str, torch.Tensor], frames: bool) -> str | None:
-    """A host batch written into the host mirror of a fast runner's input block (runtime/fast/buffers.py
-    `InputStaging`: pinned memory that goes up in one copy): the masks, token ids, noise and Pi0's state,
-    and with `frames` the camera frames if they are bytes, each a plain copy in the memory order it
-    arrived in -> that order ("hwc": channels-last, as cameras send them; "chw"), or None where no
-    frames went (`frames` false, as for a cached prefix; float frames: `from_staging` copies them up)."""
-    _small_inputs_into(inputs, host)
-    host["noise"].copy_(noise)
-    if not frames or inputs.images.dtype != torch.uint8:
-        return None
-    order = "hwc" if inputs.images.permute(0, 1, 3, 4, 2).is_contiguous() else "chw"
-    _frames_in(host["image_bytes"], inputs.images.shape, order).copy_(inputs.images)
-    return order
-
-
-def from_staging(inputs: ModelInputs, buffers: dict[str, torch.Tensor], order: str | None) -> None:
-    """Once `into_staging`'s block is up: the frames converted into `images` from the uploaded bytes (read
-    in `order`, as they were written), or, float, copied up as they are; pending frames resized there. The
-    same operations on the same bytes as `into_buffers`: the same values."""
-    images = buffers["images"]
-    if order is None:
-        images.copy_(inputs.images, non_blocking=True)
-    else:
-        bytes_to_model_range(_frames_in(buffers["image_bytes"], images.shape, order), out=images)
-    _place_pending(inputs, images)
-
-
-def _frames_in(image_bytes: torch.Tensor, shape: torch.Size, order: str) -> torch.Tensor:
-    """A block's frame bytes [B, N*3*S*S] as frames [B, N, 3, S, S] laid out in `order`."""
-    b, n, c, s, _ = shape
-    return image_bytes.view(b, n, s, s, c).permute(0, 1, 4, 2, 3) if order == "hwc" else image_bytes.view(b, n, c, s, s)
-
-
-def _small_inputs_into(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
-    """The masks, token ids and Pi0's state copied into `buffers` (without a stream sync to the device)."""
+    for item, slot, frame in inputs.pending:
+        images[item, slot] = finish_frame(frame.to(images.device, non_blocking=True), images.shape[-1])
     for name in ("image_masks", "tokens", "token_mask"):
         buffers[name].copy_(getattr(inputs, name), non_blocking=True)
     if inputs.state is not None:
         buffers["state"].copy_(inputs.state, non_blocking=True)
-
-
-def _place_pending(inputs: ModelInputs, images: torch.Tensor) -> None:
-    for item, slot, frame in inputs.pending:
-        images[item, slot] = finish_frame(frame.to(images.device, non_blocking=True), images.shape[-1])
 
 
 def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:

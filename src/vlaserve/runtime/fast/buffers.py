@@ -5,9 +5,6 @@ One set per batch size, at the checkpoint's prompt length; a shorter prompt leng
 bucket) uses views of its leading rows (`views`), so buckets add graphs but no buffer memory. The
 K/V cache holds the prefix's keys and values in its first `prefix_len` rows and the action tokens'
 in the next `horizon`, padded to the attention kernels' key tile.
-
-What a call writes from the host (`HOST_INPUTS`) lies in one block, `inputs`, mirrored in pinned host
-memory (`InputStaging`, a `HostMirror`): a call's inputs are written into the mirror and go up in one copy.
 """
 
 from __future__ import annotations
@@ -21,12 +18,7 @@ from ...config import PolicyConfig
 # The attention kernels tile keys by 64 (kernels.py "block_t"): the cache length is a multiple of it.
 KV_TILE = 64
 
-# The buffers a call fills from the host, in the order they lie in the `inputs` block: the small ones
-# first, so a call that sends no frames (float frames, copied up apart; a cached prefix) uploads only
-# them. `image_bytes`: the camera frames as uint8, in the memory order they arrived in (the device
-# converts them into `images`: processing.prepare.from_staging).
-HOST_INPUTS = ("image_masks", "tokens", "token_mask", "noise", "state", "image_bytes")
-INPUT_ALIGN = 64  # bytes: every typed view of the block starts aligned
+BLOCK_ALIGN = 64  # bytes: every typed view of a block (`block_layout`) starts aligned
 
 
 @dataclass(frozen=True)
@@ -73,19 +65,10 @@ class BufferSpec:
             "v_cache": ((self.layers, b, self.cache_len, self.head_dim), self.kv_dtype),
             "pad": ((b, self.context_len), torch.bool),
             **({"state": ((b, self.state_dim), torch.float32)} if self.state_dim else {}),
-            "image_bytes": ((b, self.cameras * 3 * self.resolution * self.resolution), torch.uint8),
         }
 
-    def input_offsets(self) -> dict[str, int]:
-        """Where each of HOST_INPUTS starts in the `inputs` block, and its end under "end"."""
-        layout = self.layout()
-        names = [name for name in HOST_INPUTS if name in layout]
-        starts, end = block_layout([layout[name] for name in names])
-        return {**dict(zip(names, starts)), "end": end}
-
     def nbytes(self) -> int:
-        return self.input_offsets()["end"] + sum(_nbytes(shape, dtype) for name, (shape, dtype) in self.layout().items()
-                                                 if name not in HOST_INPUTS)
+        return sum(_nbytes(shape, dtype) for shape, dtype in self.layout().values())
 
     def views(self, larger: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This spec's buffers as views of the leading part of a larger set (same batch size, a
@@ -93,8 +76,6 @@ class BufferSpec:
         K/V cache through its strides, so a view of fewer rows per item serves as it is."""
         out = {}
         for name, (shape, _) in self.layout().items():
-            if name not in larger:  # (a host mirror holds only HOST_INPUTS)
-                continue
             full = larger[name]
             if any(s > f for s, f in zip(shape, full.shape)):
                 raise ValueError(f"buffer {name}: {shape} does not fit in {tuple(full.shape)}")
@@ -102,29 +83,9 @@ class BufferSpec:
         return out
 
     def allocate(self, device) -> dict[str, torch.Tensor]:
-        """Every buffer, HOST_INPUTS as views of one `inputs` block. Masks start all-true and the rest
-        zero: a warm-up replay on them computes finite values."""
-        buffers = self.allocate_inputs(device)
-        for name, (shape, dtype) in self.layout().items():
-            if name not in HOST_INPUTS:
-                buffers[name] = torch.zeros(shape, dtype=dtype, device=device)
-        return buffers
-
-    def allocate_inputs(self, device) -> dict[str, torch.Tensor]:
-        """The `inputs` block (uint8) and HOST_INPUTS' typed views of it."""
-        return self.input_views(torch.zeros(self.input_offsets()["end"], dtype=torch.uint8, device=device))
-
-    def input_views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
-        """HOST_INPUTS as typed views of `block` (an `inputs` block, or its host mirror), masks set all-true."""
-        offsets, layout = self.input_offsets(), self.layout()
-        buffers = {"inputs": block}
-        for name, start in offsets.items():
-            if name != "end":
-                shape, dtype = layout[name]
-                buffers[name] = typed_view(block, start, shape, dtype)
-                if dtype == torch.bool:
-                    buffers[name].fill_(True)
-        return buffers
+        # Masks start all-true and the rest zero: a warm-up replay on them computes finite values.
+        return {name: (torch.ones if dtype == torch.bool else torch.zeros)(shape, dtype=dtype, device=device)
+                for name, (shape, dtype) in self.layout().items()}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -141,19 +102,19 @@ def typed_view(block: torch.Tensor, start: int, shape: tuple[int, ...], dtype: t
 
 def block_layout(entries: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
     """Where each (shape, dtype) of `entries` starts in one uint8 block that holds them in order, each
-    INPUT_ALIGN-aligned, and the block's size."""
+    BLOCK_ALIGN-aligned, and the block's size."""
     starts, at = [], 0
     for shape, dtype in entries:
         starts.append(at)
-        at = -(-(at + _nbytes(shape, dtype)) // INPUT_ALIGN) * INPUT_ALIGN
+        at = -(-(at + _nbytes(shape, dtype)) // BLOCK_ALIGN) * BLOCK_ALIGN
     return starts, at
 
 
 class HostMirror:
     """A device block's mirror in pinned host memory (plain memory for a CPU block), and the event of its
-    last upload: a call writes its inputs into the mirror and they go up in one copy (`upload`) that the
+    last upload: a call writes what it sends into the mirror and it goes up in one copy (`upload`) that the
     host does not wait for; the next call's writes wait until that copy has read the mirror (`ready`:
-    long done, normally, as the batcher launches one batch ahead at most). Against copying each input up
+    long done, normally, as the batcher launches one batch ahead at most). Against copying each tensor up
     from where it lies (pageable memory: one copy through the driver's staging buffer each), one copy up."""
 
     def __init__(self, device_block: torch.Tensor):
@@ -170,31 +131,9 @@ class HostMirror:
             self._uploaded.synchronize()
             self._pending = False
 
-    def upload(self, nbytes: int | None = None) -> None:
-        """The mirror's first `nbytes` (default all) up into the device block."""
-        n = self.device_block.numel() if nbytes is None else nbytes
-        self.device_block[:n].copy_(self.block[:n], non_blocking=True)
+    def upload(self) -> None:
+        """The mirror up into the device block."""
+        self.device_block.copy_(self.block, non_blocking=True)
         if self.cuda:
             self._uploaded.record()
             self._pending = True
-
-
-class InputStaging(HostMirror):
-    """A batch size's `inputs` block and its mirror (HostMirror), with HOST_INPUTS' views of the mirror
-    (processing.prepare.into_staging writes a call's host inputs there)."""
-
-    def __init__(self, spec: BufferSpec, device_block: torch.Tensor):
-        super().__init__(device_block)
-        self.host = spec.input_views(self.block)
-        self.frames_at = spec.input_offsets()["image_bytes"]
-        self._views: dict[int, dict[str, torch.Tensor]] = {spec.token_len: self.host}  # per prompt length
-
-    def views(self, spec: BufferSpec) -> dict[str, torch.Tensor]:
-        """The mirror's views for `spec` (this batch size at a prompt bucket: views of the full length's)."""
-        if spec.token_len not in self._views:
-            self._views[spec.token_len] = spec.views(self.host)
-        return self._views[spec.token_len]
-
-    def upload_inputs(self, frames: bool) -> None:
-        """The mirror's inputs up, the frames' bytes too if `frames`."""
-        self.upload(None if frames else self.frames_at)

@@ -22,11 +22,11 @@ import torch
 from ...config import PolicyConfig
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance
-from ...processing.prepare import from_staging, into_buffers, into_staging, to_device
+from ...processing.prepare import into_buffers, to_device
 from ...types import ModelInputs
 from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
-from .buffers import BufferSpec, InputStaging
+from .buffers import BufferSpec
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
 from .precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
@@ -129,9 +129,7 @@ class FastRunner:
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
         self._device_lock = device_lock if device_lock is not None else threading.RLock()
-        self._specs: dict[tuple, BufferSpec] = {}
         self._buffers: dict[tuple, dict] = {}
-        self._staging: dict[int, InputStaging] = {}  # per batch size: its input block's host mirror
         self._scratch: dict[tuple, object] = {}  # warm-up buffers of the batch size being captured
         self._scratch_batch = 0
         self._warmed: set[tuple] = set()  # kernel signatures a warm-up has run (or a capture, every kernel loaded)
@@ -150,14 +148,9 @@ class FastRunner:
         self._last_rows: list = []  # per item of the last call: (buffers, row), or its prefix entry copied
         self._last_end: torch.cuda.Event | None = None  # the last call's end (EventTimes.previous)
 
-    def _spec(self, b: int, token_len: int) -> BufferSpec:
-        if (b, token_len) not in self._specs:  # (asked on every launch)
-            self._specs[b, token_len] = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
-        return self._specs[b, token_len]
-
     def _buffer_set(self, store: dict, b: int, token_len: int) -> dict:
         if (b, token_len) not in store:
-            spec = self._spec(b, token_len)
+            spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
             full = self.config.max_token_len
             store[(b, token_len)] = (spec.views(self._buffer_set(store, b, full)) if token_len < full
                                      else spec.allocate(self.device))
@@ -165,12 +158,7 @@ class FastRunner:
 
     def buffers(self, b: int, token_len: int) -> dict:
         """The static buffers of batch size b: allocated at the checkpoint's prompt length, views of
-        those for a shorter one (a prompt bucket; the calls of one runner run in stream order). The
-        host mirror of their input block comes with them (pinning memory takes milliseconds: at the
-        capture, not on a call's path)."""
-        if b not in self._staging:
-            full = self.config.max_token_len
-            self._staging[b] = InputStaging(self._spec(b, full), self._buffer_set(self._buffers, b, full)["inputs"])
+        those for a shorter one (a prompt bucket; the calls of one runner run in stream order)."""
         return self._buffer_set(self._buffers, b, token_len)
 
     def _rtc_buffers(self, b: int, token_len: int, num_steps: int, store: dict | None = None) -> StaticRTC:
@@ -453,29 +441,12 @@ class FastRunner:
     def _events(self):
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
-    def _inputs_in(self, buf, inputs: ModelInputs, noise: torch.Tensor, frames: bool) -> None:
-        """A call's inputs into its static buffers (`frames`: the images too; a cached prefix needs none).
-        From the host (every batch but one cut into parts), through the batch size's pinned mirror of its
-        input block, in one copy up (`InputStaging`); from the device, copied across."""
-        b, token_len = inputs.tokens.shape
-        if inputs.tokens.device.type != "cpu":
-            if frames:
-                into_buffers(inputs, buf)
-            elif inputs.state is not None:
-                buf["state"].copy_(inputs.state, non_blocking=True)
-            buf["noise"].copy_(noise, non_blocking=True)
-            return
-        staging = self._staging[b]  # (made with `buf`)
-        staging.ready()
-        order = into_staging(inputs, noise, staging.views(self._spec(b, token_len)), frames)
-        staging.upload_inputs(order is not None)
-        if frames:
-            from_staging(inputs, buf, order)
-
     def _launch(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs):
         b, token_len = inputs.tokens.shape
         buf = self.buffers(b, token_len)
-        self._inputs_in(buf, inputs, noise, prefix is None)
+        if prefix is None:
+            into_buffers(inputs, buf)
+        buf["noise"].copy_(noise, non_blocking=True)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
         start, mid, end = self._events()
         # Still running: this call is launched behind it, and the gap between them is measured. (The
@@ -485,6 +456,7 @@ class FastRunner:
         if prefix is not None:
             self.restore_prefix(buf, prefix)
             if self.state_dim:  # the cache holds the prefix only: Pi0's state token is this call's
+                buf["state"].copy_(inputs.state, non_blocking=True)
                 plen = self._prefix_len(buf)
                 buf["pad"].copy_(self.fast.state_token(buf["state"], buf["pad"][:, :plen], buf["k_cache"],
                                                        buf["v_cache"]))
