@@ -1,7 +1,8 @@
 """Where Runtime.launch's ~1.1 ms goes for a lone batch-1 request (in one process, warm), without and with RTC
 guidance: host time of each step, and on the GPU the time from the launch's first operation to the prefix graph's
 start, and from the Euler steps' end to the actions copied back (the device's own time outside prefix + denoise).
-Then the prefix and Euler graphs' replays alone with the device idle and busy, and a pinned [1, 50, 32] allocation.
+Then the prefix and Euler graphs' replays alone with the device idle and busy, a pinned [1, 50, 32] allocation,
+and the two graphs' topology (node types, roots, edges; their DOT dumps under $OUT).
 
     python bench/probes/launch_breakdown.py CHECKPOINT OUT.json [CALLS]
 """
@@ -12,6 +13,17 @@ from common import robot_observation
 from vlaserve import Policy
 import vlaserve.runtime.runner as runner_mod
 import vlaserve.runtime.fast.graphs as graphs_mod
+
+# Keep each graph's cudaGraph_t (instantiated on its first replay) to read its topology below.
+class _KeptGraph(torch.cuda.CUDAGraph):
+    def __new__(cls):
+        return super().__new__(cls, True)
+    def __init__(self):
+        try:
+            super().__init__(True)
+        except TypeError:
+            super().__init__()
+graphs_mod.torch.cuda.CUDAGraph = _KeptGraph
 
 policy = Policy.from_pretrained(sys.argv[1], device="cuda", max_batch_size=1, warmup="blocking", progress=False)
 policy.runtime.limit_host_threads()
@@ -103,3 +115,29 @@ for i in range(60):
     del host
 print(f"pinned [1, 50, 32] allocation: p50 {np.percentile(ts[10:], 50):.1f} us p99 {np.percentile(ts[10:], 99):.1f} us")
 
+# The graphs' topology: node types (cudaGraphNodeGetType) and edges (the DOT dump), prefix against denoise.
+import ctypes, os, re, collections
+lib = None
+for line in open("/proc/self/maps"):
+    if "libcudart" in line:
+        lib = ctypes.CDLL(line.split()[-1]); break
+TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event", 7: "event_record",
+         10: "mem_alloc", 11: "mem_free", 12: "batch_memop", 13: "conditional"}
+topology = {}
+for name, g in (("prefix", pg), ("denoise", dg)):
+    raw = ctypes.c_void_p(g.graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    assert lib.cudaGraphGetNodes(raw, None, ctypes.byref(n)) == 0
+    nodes = (ctypes.c_void_p * n.value)()
+    assert lib.cudaGraphGetNodes(raw, nodes, ctypes.byref(n)) == 0
+    types = collections.Counter()
+    for node in nodes:
+        t = ctypes.c_int(-1); lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)); types[TYPES.get(t.value, t.value)] += 1
+    roots = ctypes.c_size_t(0); lib.cudaGraphGetRootNodes(raw, None, ctypes.byref(roots))
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"{name}_graph.dot")
+    rc = lib.cudaGraphDebugDotPrint(raw, path.encode(), 0)
+    dot = open(path).read() if rc == 0 else ""
+    edges = len(re.findall(r"->", dot))
+    topology[name] = {"nodes": n.value, "types": dict(types), "roots": roots.value, "edges": edges}
+    print(f"{name} graph: {n.value} nodes {dict(types)}, {roots.value} roots, {edges} edges")
+json.dump(topology, open(sys.argv[2].replace(".json", "_topology.json"), "w"), indent=1)
