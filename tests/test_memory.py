@@ -2,7 +2,9 @@
 
 import copy
 import json
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,14 +13,14 @@ import torch
 from conftest import golden_dir
 from vlaserve import Policy
 from vlaserve.cli import main
-from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig
+from vlaserve.config import PROFILES, ModelConfig, PolicyConfig, RuntimeConfig, prompt_lengths
 from vlaserve.demo import build_model, random_model
 from vlaserve.family import load_policy_config
-from vlaserve.checkpoint.weights import checkpoint_shapes
+from vlaserve.checkpoint.weights import checkpoint_shapes, param_dtype
 from vlaserve.errors import ConfigError, InsufficientMemory
 from vlaserve.golden import GoldenCase, case_dirs
 from vlaserve.runtime.fast.model import FastPi05
-from vlaserve.runtime.memory import GIB, check_fit, estimate_memory, gib, given_budget
+from vlaserve.runtime.memory import GIB, DeviceBudget, check_fit, estimate_memory, gib, given_budget
 from vlaserve.runtime.offload import ALIGN, STREAMED_PREFIXES, LayerOffload
 
 
@@ -338,19 +340,11 @@ def test_the_docs_expected_memory_is_the_estimators():
     """docs/memory.md's "Expected memory" table and its refusal example are the estimator's output for the
     full-size model at the server's default graphs (the checkpoint's prompt length and its bucket), and its
     parameter counts the serving dtype policy's."""
-    import re
-    from pathlib import Path
-
-    from vlaserve.config import prompt_lengths
-    from vlaserve.runtime.memory import DeviceBudget
-
     doc = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
     config = PolicyConfig(ModelConfig.full_size(), ("a", "b", "c"), 14, 14)
     shapes = shapes_of(config.model)
     lengths = len(prompt_lengths(RuntimeConfig().resolved_prompt_buckets(config.max_token_len, "cuda"),
                                  config.max_token_len))
-    from vlaserve.checkpoint.weights import param_dtype
-
     counts = {torch.bfloat16: 0, torch.float32: 0}
     for name, shape in shapes.items():
         counts[param_dtype(name, torch.bfloat16)] += int(np.prod(shape))

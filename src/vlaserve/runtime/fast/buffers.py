@@ -9,6 +9,8 @@ in the next `horizon`, padded to the attention kernels' key tile.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -89,10 +91,7 @@ class BufferSpec:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def typed_view(block: torch.Tensor, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
