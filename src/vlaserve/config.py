@@ -201,6 +201,9 @@ class RuntimeConfig:
     # CUDA, an empty compile cache: each batch size's Triton kernels compiled together in worker processes
     # before its warm-ups (runtime/fast/precompile.py); False: one by one as the warm-ups launch them.
     parallel_compile: bool = True
+    # CUDA graphs: the memset nodes that cuDNN and cuBLASLt record replaced by fill kernels writing the same
+    # bytes (runtime/fast/memset_nodes.py: ~1.7 us less host time per node at every launch); False: kept.
+    graph_memset_kernels: bool = True
 
     def __post_init__(self):
         buckets = self.prompt_buckets

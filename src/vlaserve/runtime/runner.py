@@ -227,7 +227,7 @@ class Runtime:
 
         fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
-                          warmups=self.settings.capture_warmups)
+                          warmups=self.settings.capture_warmups, memset_kernels=self.settings.graph_memset_kernels)
         lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
         plan = capture_plan(self.settings.graph_sizes, lengths, len(self.config.cameras))
         if self.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only

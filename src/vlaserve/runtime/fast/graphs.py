@@ -27,6 +27,7 @@ from ...types import ModelInputs
 from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
 from .buffers import BufferSpec
+from .memset_nodes import memsets_as_kernels
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
 from .precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
@@ -50,14 +51,20 @@ class _Graph:
     handed every cached block back to the driver for the next batch and warm-up to allocate
     anew; the runtime empties the cache once, when the plan is done (runtime/runner.py)."""
 
-    def __init__(self, fn, pool, stream: torch.cuda.Stream):
-        self.graph = torch.cuda.CUDAGraph()
+    def __init__(self, fn, pool, stream: torch.cuda.Stream, memset_kernels: bool = True):
+        # memset_kernels: the libraries' memset nodes replaced by fill kernels before instantiation
+        # (memset_nodes.py: the same bytes, a cheaper launch); the capture is kept until then.
+        self.graph = torch.cuda.CUDAGraph(keep_graph=memset_kernels)
         with torch.cuda.stream(stream):
             self.graph.capture_begin(pool)
             try:
                 self.output = fn()
             finally:
                 self.graph.capture_end()
+        self.memsets_replaced = self.memsets_left = 0
+        if memset_kernels:
+            self.memsets_replaced, self.memsets_left = memsets_as_kernels(self.graph.raw_cuda_graph())
+            self.graph.instantiate()
 
     def replay(self):
         self.graph.replay()
@@ -117,14 +124,15 @@ class FastRunner:
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  device_lock=None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton", warmups: str = "on_new_kernel"):
-        # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph")
+                 attention_library: str = "triton", warmups: str = "on_new_kernel", memset_kernels: bool = True):
+        # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph");
+        # memset_kernels: RuntimeConfig.graph_memset_kernels
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = self.fast.device
-        self.use_graphs, self.warmups = use_graphs, warmups
+        self.use_graphs, self.warmups, self.memset_kernels = use_graphs, warmups, memset_kernels
         self.gemm_library, self.attention_library = gemm_library, attention_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
@@ -180,7 +188,7 @@ class FastRunner:
         stream.synchronize()
 
     def _new_graph(self, fn) -> _Graph:
-        return _Graph(fn, self._pool, self._capture_stream)
+        return _Graph(fn, self._pool, self._capture_stream, self.memset_kernels)
 
     def _graphed(self, graphs: dict, key: tuple, fn):
         if key not in graphs:

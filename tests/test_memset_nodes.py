@@ -1,0 +1,124 @@
+"""The captured graphs' memset nodes as fill kernels (runtime/fast/memset_nodes.py): the launch each memset
+becomes, on the CPU; on a GPU, a graph with memsets among its kernels, edited, writes the same bytes."""
+
+import ctypes
+import os
+import subprocess
+
+import pytest
+import torch
+
+from vlaserve.runtime.fast.memset_nodes import FILL_THREADS, MAX_GRID_Y, PTX, fill_for
+
+
+@pytest.mark.parametrize("size,bits", [(1, 8), (2, 16), (4, 32)])
+def test_a_memset_becomes_the_fill_kernel_of_its_element_size(size, bits):
+    """One row of 4 elements (cuDNN's and cuBLASLt's): one block of FILL_THREADS, the value cut to the element
+    size as the memset cuts it (cuMemsetD8 takes the low byte of the value it is given)."""
+    fill = fill_for(size, 4, 1, 0, 0xA1B2C3D4)
+    assert fill.kernel == f"vlaserve_fill_b{bits}" and fill.kernel in PTX
+    assert fill.grid == (1, 1) and fill.width == 4 and fill.pitch == 0
+    assert fill.value == 0xA1B2C3D4 & ((1 << bits) - 1)
+
+
+def test_rows_and_blocks_cover_the_memset():
+    """A 2D memset: a grid row per memset row, rows `pitch` bytes apart; enough blocks for every element of a
+    row and no more."""
+    fill = fill_for(4, FILL_THREADS + 1, 3, 4096, 7)
+    assert fill.grid == (2, 3) and fill.pitch == 4096
+    assert fill_for(4, FILL_THREADS, 1, 4096, 7).grid == (1, 1)
+    assert fill_for(4, FILL_THREADS, 1, 4096, 7).pitch == 0  # one row: the pitch is never read
+
+
+@pytest.mark.parametrize("args", [(8, 4, 1, 0, 0), (3, 4, 1, 0, 0), (4, 0, 1, 0, 0), (4, 4, 0, 0, 0),
+                                  (4, 4, MAX_GRID_Y + 1, 16, 0)])
+def test_a_memset_no_kernel_covers_stays(args):
+    """Element sizes other than 1, 2, 4 bytes, nothing to write, or more rows than a grid holds: no fill (the
+    node stays a memset)."""
+    assert fill_for(*args) is None
+
+
+def test_where_the_driver_refuses_the_graph_keeps_its_memsets_and_the_log_says_so(monkeypatch, caplog):
+    """An edit the driver refuses (raised as CudaError) leaves the graph as captured, slower to launch but
+    computing the same: serving goes on, and the log says it once per distinct error."""
+    from vlaserve.runtime.fast import memset_nodes
+
+    def refused(graph):
+        raise memset_nodes.CudaError("cuModuleLoadData failed: CUresult 218")
+
+    monkeypatch.setattr(memset_nodes, "replace_memsets", refused)
+    memset_nodes._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger=memset_nodes.__name__):
+        assert memset_nodes.memsets_as_kernels(1234) == (0, 0)
+        assert memset_nodes.memsets_as_kernels(5678) == (0, 0)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "CUresult 218" in warnings[0] and "graph_memset_kernels=False" in warnings[0]
+
+
+def _ptxas() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs Triton's bundled ptxas")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_fill_kernels_ptx_assembles(tmp_path, arch):
+    """The PTX the driver compiles when the module loads, assembled here by Triton's ptxas (as the driver would
+    for an Ampere or Hopper GPU): every fill kernel is in it, each with its four parameters."""
+    source = tmp_path / "fill.ptx"
+    source.write_text(PTX)
+    done = subprocess.run([_ptxas(), f"-arch={arch}", str(source), "-o", str(tmp_path / "fill.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for bits in (8, 16, 32):
+        assert f".entry vlaserve_fill_b{bits}(.param .u64 dst, .param .u64 pitch, .param .u32 value, .param .u64 width)" in PTX
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
+def test_on_a_gpu_a_graph_with_memsets_writes_the_same_bytes_with_fill_kernels():
+    """Memsets of 1, 2 and 4-byte elements (one row, and 2D with a pitch) recorded between kernels that read
+    what they wrote: the graph edited has no memset node left and gives the same bytes, replay after replay."""
+    from vlaserve.runtime.fast.graphs import _Graph
+
+    cudart = next(ctypes.CDLL(line.split()[-1]) for line in open("/proc/self/maps") if "libcudart" in line)
+    driver = ctypes.CDLL("libcuda.so.1")
+    typed = {1: driver.cuMemsetD2D8Async, 2: driver.cuMemsetD2D16Async, 4: driver.cuMemsetD2D32Async}
+    scratch = torch.zeros(64 * 1024, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(6, 64 * 1024, dtype=torch.uint8, device="cuda")
+    # (offset, element size, width, height, pitch, value): the first through cudaMemsetAsync, as the libraries
+    # call it; the rest through the driver's typed 2D memsets.
+    memsets = [(0, 1, 4, 1, 4, 0xAB), (64, 2, 33, 1, 66, 0x1234), (512, 4, 300, 1, 1200, 0xDEADBEEF),
+               (4096, 4, 5, 3, 1024, 0x01020304), (16384, 1, 700, 2, 2048, 0x7F), (32768, 4, 1, 1, 4, 0)]
+
+    def record():
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        for i, (offset, size, width, height, pitch, value) in enumerate(memsets):
+            scratch.add_(1)  # a kernel before: the memset's bytes overwrite its result where they land
+            dst = scratch.data_ptr() + offset
+            if i == 0:
+                assert cudart.cudaMemsetAsync(ctypes.c_void_p(dst), value, ctypes.c_size_t(width), stream) == 0
+            else:
+                assert typed[size](ctypes.c_uint64(dst), ctypes.c_size_t(pitch), ctypes.c_uint(value),
+                                   ctypes.c_size_t(width), ctypes.c_size_t(height), stream) == 0
+            out[i].copy_(scratch)  # a kernel after: reads the bytes the memset left
+        return out
+
+    stream = torch.cuda.Stream()
+    results = []
+    for memset_kernels in (False, True):
+        scratch.zero_(), out.zero_()
+        graph = _Graph(record, torch.cuda.graph_pool_handle(), stream, memset_kernels)
+        assert (graph.memsets_replaced, graph.memsets_left) == ((len(memsets), 0) if memset_kernels else (0, 0))
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append(out.clone())
+        results.append(replays)
+    for plain, edited in zip(*results):
+        assert torch.equal(plain, edited)
+    assert not torch.equal(results[0][0], results[0][1])  # each replay's kernels moved the bytes: compared apart
