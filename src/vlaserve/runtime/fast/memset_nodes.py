@@ -109,19 +109,19 @@ def _check(result: int, call: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _module(context: int) -> ctypes.c_void_p:
+    """The fill kernels' module, loaded into `context` (the one current: the cache key) once."""
+    module = ctypes.c_void_p()
+    _check(_driver().cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(PTX.encode())), "cuModuleLoadData")
+    return module
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel(context: int, name: str) -> int:
-    """The fill kernel `name` in the module loaded into `context` (once per context)."""
-    del context  # (the cache key: a module belongs to the context current when it was loaded)
-    cuda = _driver()
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    _check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(_module_image())), "cuModuleLoadData")
-    _check(cuda.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
+    function = ctypes.c_void_p()
+    _check(_driver().cuModuleGetFunction(ctypes.byref(function), _module(context), name.encode()),
+           "cuModuleGetFunction")
     return function.value
-
-
-@functools.lru_cache(maxsize=1)
-def _module_image() -> bytes:
-    return PTX.encode() + b"\0"
 
 
 def _current_context() -> int:
@@ -142,7 +142,7 @@ def replace_memsets(graph: int) -> tuple[int, int]:
     """Replaces each memset node of the captured, not yet instantiated CUDA graph `graph` (a cudaGraph_t, as
     `torch.cuda.CUDAGraph.raw_cuda_graph` gives it) with a fill kernel node on the same edges -> (replaced,
     left: memsets no fill kernel covers). Raises CudaError where the driver refuses a step; the graph then
-    holds each memset or its replacement, never both, and computes what it captured either way."""
+    computes what it captured all the same (a memset is removed only once its fill kernel stands on its edges)."""
     cuda = _driver()
     context = _current_context()
     replaced = left = 0
@@ -183,8 +183,8 @@ def replace_memsets(graph: int) -> tuple[int, int]:
 
 
 def memsets_as_kernels(graph: int) -> tuple[int, int]:
-    """`replace_memsets`, or where the driver refuses it (an old driver, say) the graph as captured: a slower
-    launch, the same results; said once in the log."""
+    """`replace_memsets`, or where the driver refuses it (an old driver, say) the graph with the memsets it
+    still has: a slower launch, the same results; said once in the log."""
     try:
         return replace_memsets(graph)
     except CudaError as e:
