@@ -122,3 +122,133 @@ def test_on_a_gpu_a_graph_with_memsets_writes_the_same_bytes_with_fill_kernels()
     for plain, edited in zip(*results):
         assert torch.equal(plain, edited)
     assert not torch.equal(results[0][0], results[0][1])  # each replay's kernels moved the bytes: compared apart
+
+
+class _FakeDriver:
+    """The driver calls replace_memsets makes, on a graph held here as nodes and edges (the CUDA driver's
+    semantics: a node's dependencies are the nodes with an edge into it; destroying a node drops its edges)."""
+
+    def __init__(self, nodes: dict[int, tuple], edges: set[tuple[int, int]], refuse: str | None = None):
+        self.nodes, self.edges, self.refuse = dict(nodes), set(edges), refuse
+        self.next_id = 1000
+        self.functions = {}
+
+    def _fail(self, name):
+        return 999 if self.refuse == name else 0
+
+    @staticmethod
+    def _out(nodes, array, count):
+        count._obj.value = len(nodes)
+        if array is not None:
+            for i, n in enumerate(nodes):
+                array[i] = n
+        return 0
+
+    def cuCtxGetCurrent(self, context):
+        context._obj.value = 77
+        return 0
+
+    def cuModuleLoadData(self, module, image):
+        assert b"vlaserve_fill_b32" in image.value
+        module._obj.value = 5
+        return 0
+
+    def cuModuleGetFunction(self, function, module, name):
+        self.functions[name.decode()] = function._obj.value = 500 + len(self.functions)
+        return 0
+
+    def cuGraphGetNodes(self, graph, array, count):
+        return self._out(sorted(self.nodes), array, count)
+
+    def cuGraphNodeGetType(self, node, kind):
+        kind._obj.value = {"kernel": 0, "memset": 2}[self.nodes[node.value][0]]
+        return 0
+
+    def cuGraphMemsetNodeGetParams(self, node, params):
+        for field, value in self.nodes[node.value][1].items():
+            setattr(params._obj, field, value)
+        return 0
+
+    def cuGraphNodeGetDependencies(self, node, array, count):
+        return self._out(sorted(a for a, b in self.edges if b == node.value), array, count)
+
+    def cuGraphNodeGetDependentNodes(self, node, array, count):
+        return self._out(sorted(b for a, b in self.edges if a == node.value), array, count)
+
+    def cuGraphAddKernelNode(self, node, graph, deps, ndeps, params):
+        p = params._obj
+        values = [ctypes.cast(p.kernelParams[i], ctypes.POINTER(t)).contents.value
+                  for i, t in enumerate((ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64))]
+        self.next_id += 1
+        node._obj.value = self.next_id
+        self.nodes[self.next_id] = ("kernel", {"func": p.func, "grid": (p.gridDimX, p.gridDimY, p.gridDimZ),
+                                               "block": (p.blockDimX, p.blockDimY, p.blockDimZ), "args": values})
+        self.edges |= {(deps[i], self.next_id) for i in range(ndeps.value)}
+        return 0
+
+    def cuGraphAddDependencies(self, graph, sources, targets, n):
+        if self.refuse == "cuGraphAddDependencies":
+            return 999
+        self.edges |= {(sources[i], targets[i]) for i in range(n.value)}
+        return 0
+
+    def cuGraphDestroyNode(self, node):
+        del self.nodes[node.value]
+        self.edges = {(a, b) for a, b in self.edges if node.value not in (a, b)}
+        return 0
+
+
+def _memset(dst, size, width, height=1, pitch=0, value=0):
+    return ("memset", {"dst": dst, "elementSize": size, "width": width, "height": height, "pitch": pitch, "value": value})
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    from vlaserve.runtime.fast import memset_nodes
+
+    def install(*args, **kwargs):
+        driver = _FakeDriver(*args, **kwargs)
+        monkeypatch.setattr(memset_nodes, "_driver", lambda: driver)
+        memset_nodes._module.cache_clear(), memset_nodes._kernel.cache_clear()
+        return driver
+
+    yield install
+    memset_nodes._module.cache_clear(), memset_nodes._kernel.cache_clear()
+
+
+def test_each_memset_becomes_a_fill_kernel_on_its_edges(fake_driver):
+    """A chain as the prefix graph's (a memset between two kernels), a memset at the root and one at the end,
+    and one of 8-byte elements no fill covers: the covered ones become fill kernels with the memset's edges and
+    arguments (its address, pitch, value cut to the element size as cudaMemsetAsync's int is, width; a block of
+    FILL_THREADS per FILL_THREADS elements of a row, a grid row per row); the other stays as it was."""
+    from vlaserve.runtime.fast.memset_nodes import replace_memsets
+
+    nodes = {1: _memset(0x1000, 1, 4, value=0x5AB), 2: ("kernel", {}), 3: _memset(0x2000, 4, 300, 2, 1280, 7),
+             4: ("kernel", {}), 5: _memset(0x3000, 8, 4), 6: ("kernel", {}), 7: _memset(0x4000, 2, 1, value=0x1234)}
+    chain = {(1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)}
+    driver = fake_driver(nodes, chain)
+    assert replace_memsets(42) == (3, 1)
+    kinds = {n: kind for n, (kind, _) in driver.nodes.items()}
+    assert [n for n, k in kinds.items() if k == "memset"] == [5]
+    fills = {driver.nodes[n][1]["args"][0]: n for n in kinds if n > 1000}
+    assert sorted(fills) == [0x1000, 0x2000, 0x4000]
+    first, wide, last = fills[0x1000], fills[0x2000], fills[0x4000]
+    assert driver.edges == {(first, 2), (2, wide), (wide, 4), (4, 5), (5, 6), (6, last)}
+    f = driver.functions
+    assert driver.nodes[first][1] == {"func": f["vlaserve_fill_b8"], "grid": (1, 1, 1), "block": (FILL_THREADS, 1, 1),
+                                      "args": [0x1000, 0, 0xAB, 4]}
+    assert driver.nodes[wide][1] == {"func": f["vlaserve_fill_b32"], "grid": (2, 2, 1), "block": (FILL_THREADS, 1, 1),
+                                     "args": [0x2000, 1280, 7, 300]}
+    assert driver.nodes[last][1]["func"] == f["vlaserve_fill_b16"] and driver.nodes[last][1]["args"] == [0x4000, 0, 0x1234, 1]
+
+
+def test_a_refused_edge_leaves_the_memset_and_no_fill_beside_it(fake_driver):
+    """The driver refuses the fill kernel's edge to the node after: the fill kernel is removed again (left in
+    place it would run beside the node after it), the memset keeps its edges, and CudaError says which call."""
+    from vlaserve.runtime.fast.memset_nodes import CudaError, replace_memsets
+
+    nodes = {1: ("kernel", {}), 2: _memset(0x1000, 4, 4), 3: ("kernel", {})}
+    driver = fake_driver(nodes, {(1, 2), (2, 3)}, refuse="cuGraphAddDependencies")
+    with pytest.raises(CudaError, match="cuGraphAddDependencies failed"):
+        replace_memsets(42)
+    assert driver.nodes == nodes and driver.edges == {(1, 2), (2, 3)}
