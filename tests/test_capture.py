@@ -403,7 +403,7 @@ def test_the_eager_runtime_is_ready_at_once(golden_policy):
     assert graphs == {"captured": 0, "total": 0, "pending": 0, "captured_shapes": [], "pending_shapes": [],
                       "serving_after_s": 0.0, "all_captured_after_s": 0.0, "warmup_s": 0.0, "capture_s": 0.0,
                       "kernels_compiled_ahead": 0, "compile_ahead_s": 0.0, "per_graph": [], "error": None,
-                      "warm_ups_skipped": 0}
+                      "warm_ups_skipped": 0, "memset_nodes": None}
 
 
 class StampedEvent:

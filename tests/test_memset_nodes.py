@@ -252,3 +252,32 @@ def test_a_refused_edge_leaves_the_memset_and_no_fill_beside_it(fake_driver):
     with pytest.raises(CudaError, match="cuGraphAddDependencies failed"):
         replace_memsets(42)
     assert driver.nodes == nodes and driver.edges == {(1, 2), (2, 3)}
+
+
+def test_the_runner_reports_what_its_graphs_edits_did(golden_policy, monkeypatch):
+    """FastRunner.memset_nodes (the runtime's stats()["graphs"]["memset_nodes"]) holds the sum over the graphs it
+    captured of the memsets each replaced, those it left and the seconds its edit took; a graph that raises while
+    recording (a dropped capture) adds nothing. The graphs here are stand-ins reporting fixed figures."""
+    from vlaserve.runtime.fast import graphs as graphs_module
+
+    reports = iter([(44, 0, 0.25), (0, 0, 0.5), (3, 1, 0.125)])
+
+    class Reporting:
+        def __init__(self, fn, pool, stream, memset_kernels):
+            fn()
+            self.memsets_replaced, self.memsets_left, self.edit_s = next(reports)
+
+    def dropped():
+        raise graphs_module.KernelNotLoaded("a kernel not loaded yet")
+
+    monkeypatch.setattr(graphs_module, "_Graph", Reporting)
+    runner = graphs_module.FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False)
+    assert runner.memset_nodes == {"enabled": True, "replaced": 0, "left": 0, "edit_s": 0.0}
+    for _ in range(3):
+        runner._new_graph(lambda: None)
+    with pytest.raises(graphs_module.KernelNotLoaded):
+        runner._new_graph(dropped)
+    assert runner.memset_nodes == {"enabled": True, "replaced": 47, "left": 1, "edit_s": 0.875}
+    off = graphs_module.FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False,
+                                   memset_kernels=False)
+    assert off.memset_nodes["enabled"] is False

@@ -317,9 +317,11 @@ class Runtime:
             return
         graphs.all_captured_after_s = time.perf_counter() - graphs.started
         self.state = "ready"
-        log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures; "
+        edited = getattr(runner, "memset_nodes", {"enabled": False})
+        log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures%s; "
                  "%d warm-ups skipped: their kernels were loaded)", graphs.all_captured_after_s, graphs.warmup_s,
-                 graphs.capture_s, getattr(runner, "warm_ups_skipped", 0))
+                 graphs.capture_s, f", {edited['edit_s']:.1f} s of it making {edited['replaced']} memset nodes "
+                 f"fill kernels" if edited["enabled"] else "", getattr(runner, "warm_ups_skipped", 0))
 
     def _start_serving(self) -> None:
         graphs = self._graphs
@@ -423,7 +425,8 @@ class Runtime:
                 "request_path_captures": getattr(runner, "request_path_captures", 0),
                 "graph_batches": list(self.settings.graph_sizes) if self.fast_path else [],
                 "graph_bytes": self.graph_bytes,
-                "graphs": {**self._graphs.stats(), "warm_ups_skipped": getattr(runner, "warm_ups_skipped", 0)},
+                "graphs": {**self._graphs.stats(), "warm_ups_skipped": getattr(runner, "warm_ups_skipped", 0),
+                           "memset_nodes": dict(getattr(runner, "memset_nodes", {})) or None},
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
 
 
