@@ -317,11 +317,11 @@ class Runtime:
             return
         graphs.all_captured_after_s = time.perf_counter() - graphs.started
         self.state = "ready"
-        edited = getattr(runner, "memset_nodes", {"enabled": False})
+        edited = getattr(runner, "memset_nodes", None)  # (the fast path's runner only)
         log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures%s; "
                  "%d warm-ups skipped: their kernels were loaded)", graphs.all_captured_after_s, graphs.warmup_s,
                  graphs.capture_s, f", {edited['edit_s']:.1f} s of it making {edited['replaced']} memset nodes "
-                 f"fill kernels" if edited["enabled"] else "", getattr(runner, "warm_ups_skipped", 0))
+                 f"fill kernels" if edited and edited["enabled"] else "", getattr(runner, "warm_ups_skipped", 0))
 
     def _start_serving(self) -> None:
         graphs = self._graphs

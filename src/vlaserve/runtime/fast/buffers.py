@@ -5,12 +5,14 @@ One set per batch size, at the checkpoint's prompt length; a shorter prompt leng
 bucket) uses views of its leading rows (`views`), so buckets add graphs but no buffer memory. The
 K/V cache holds the prefix's keys and values in its first `prefix_len` rows and the action tokens'
 in the next `horizon`, padded to the attention kernels' key tile.
+
+A static buffer filled from the host in one copy (StaticRTC's guidance block, runtime/fast/model.py) lies in
+one uint8 block (`block_layout`, `typed_view`) with a pinned host mirror (`HostMirror`).
 """
 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

@@ -135,7 +135,7 @@ class FastRunner:
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = self.fast.device
-        self.use_graphs, self.warmups, self.memset_kernels = use_graphs, warmups, memset_kernels
+        self.use_graphs, self.warmups = use_graphs, warmups
         self.gemm_library, self.attention_library = gemm_library, attention_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
@@ -151,8 +151,8 @@ class FastRunner:
         self.frozen = False  # captures only through `capture` (a plan), never on the request path
         self.captures = 0
         self.warm_ups_skipped = 0  # signatures captured first, every kernel loaded (warmups="on_new_kernel")
-        # The libraries' memset nodes made fill kernels in the graphs captured, those no fill kernel covers,
-        # and the seconds the edits took.
+        # Whether the libraries' memset nodes are made fill kernels (`memset_kernels`), how many were in the
+        # graphs captured, those no fill kernel covers, and the seconds the edits took.
         self.memset_nodes = {"enabled": memset_kernels, "replaced": 0, "left": 0, "edit_s": 0.0}
         self.request_path_captures = 0  # captures inside `launch` (a runner without a plan)
         self.uncaptured_calls = 0
@@ -194,8 +194,8 @@ class FastRunner:
         stream.synchronize()
 
     def _new_graph(self, fn) -> _Graph:
-        graph = _Graph(fn, self._pool, self._capture_stream, self.memset_kernels)
         edited = self.memset_nodes
+        graph = _Graph(fn, self._pool, self._capture_stream, edited["enabled"])
         edited["replaced"] += graph.memsets_replaced
         edited["left"] += graph.memsets_left
         edited["edit_s"] += graph.edit_s
