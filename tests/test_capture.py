@@ -20,7 +20,9 @@ from vlaserve.errors import ConfigError, NotServing
 from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.capture import GraphKey, capture_plan, route
 from vlaserve.runtime.fast.graphs import WARMUP_STEPS, FastRunner
+from vlaserve.runtime.fast.graphs import _Graph as CUDAGraphCapture
 from vlaserve.runtime.runner import Runtime
+from vlaserve.runtime.turns import DeviceTurns
 from vlaserve.types import ModelInputs
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -111,9 +113,9 @@ class SlowCaptureRunner(FastRunner):
     """The real FastRunner (buffers, routing, capture bookkeeping) on the CPU's stock kernels; each
     capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little."""
 
-    def __init__(self, policy, gate=None, fail_at: str | None = None, warmups="per_kernel", device_lock=None):
+    def __init__(self, policy, gate=None, fail_at: str | None = None, warmups="per_kernel", turns=None):
         super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, warmups=warmups,
-                         device_lock=device_lock)
+                         turns=turns)
         self.use_graphs, self.gate, self.fail_at = True, gate, fail_at
         self.warm_up_runs = 0  # every warm-up run, SigLIP's attention's among them
         self.attention_images: list[int] = []  # the image counts SigLIP's attention warmed up at
@@ -254,6 +256,80 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
     assert {n for w, n in steps_run if w == "per_graph"} == {config.num_inference_steps}
 
 
+def test_warm_ups_take_the_device_in_turn_and_recordings_hold_no_lock(golden_policy):
+    """A warm-up runs kernels: it waits for its turn (runtime/turns.py) and holds the device lock, so no batch
+    launches while a kernel compiles or loads. A recording runs nothing and is made in thread-local capture mode:
+    it holds no lock, and batches launch meanwhile. Its graph is stored, where `launch` finds it, once recorded."""
+    config, seen = golden_policy.config, []
+
+    class CountingTurns(DeviceTurns):
+        def before_warm_up(self):
+            seen.append("turn")
+            super().before_warm_up()
+
+    turns = CountingTurns()
+
+    class WatchedRunner(SlowCaptureRunner):
+        def _warm_up(self, fn, runs):
+            seen.append(("warm-up", turns.lock._is_owned()))
+            super()._warm_up(fn, runs)
+
+        def _new_graph(self, fn):
+            seen.append(("recorded", turns.lock._is_owned(), len(self._prefix_graphs) + len(self._denoise_graphs)))
+            return super()._new_graph(fn)
+
+    runner = WatchedRunner(golden_policy, turns=turns)
+    plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
+    for i, key in enumerate(plan):
+        runner.capture(key, config.num_inference_steps)
+        assert seen[-1] == ("recorded", False, i)  # without the lock, and stored only after
+    warm_ups = [j for j, step in enumerate(seen) if step[0] == "warm-up"]
+    # per kernel signature: per size, the prefix, the Euler steps with and without RTC, and SigLIP's attention
+    # at each image count of its layouts (1-3 cameras: 1-3 images at batch 1, 2-6 at batch 2: 5 counts)
+    assert len(warm_ups) == 2 * 3 + 5
+    assert all(seen[j] == ("warm-up", True) and seen[j - 1] == "turn" for j in warm_ups)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
+def test_on_a_gpu_another_thread_launches_queries_and_waits_while_a_graph_records():
+    """What serving does beside a capture — kernels on the legacy default stream, an event queried and waited
+    for, a pinned copy back, a blocking read — in the middle of a recording: in thread-local mode neither breaks
+    the other (in torch's default global mode the query would fail, and the capture with it)."""
+    x = torch.ones(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    recording, go_on, made = threading.Event(), threading.Event(), {}
+
+    def record():
+        def call():
+            y.copy_(x * 2)
+            recording.set()
+            assert go_on.wait(30)  # the capture stays open while the other thread works
+            return y.add_(1)
+
+        made["graph"] = CUDAGraphCapture(call, torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    assert recording.wait(30)
+    a = torch.full((1 << 20,), 3.0, device="cuda")
+    squares = (a * a).sum()
+    done = torch.cuda.Event()
+    done.record()
+    done.query()
+    done.synchronize()
+    host = torch.empty(4, pin_memory=True)
+    host.copy_(a[:4], non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    total = squares.item()
+    go_on.set()
+    recorder.join(30)
+    assert total == 9.0 * (1 << 20) and host.tolist() == [3.0] * 4
+    x.fill_(5.0)
+    out = made["graph"].replay()
+    torch.cuda.synchronize()
+    assert bool((out == 11.0).all())  # the graph holds both of its recorded kernels, on the input of its replay
+
+
 # --- Runtime: the states, and requests that arrive before batch 1 is captured ------------------
 
 
@@ -262,7 +338,7 @@ def _serve(policy, background: bool = True, sizes=(1, 2), **runner_options):
     config = policy.config
     runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
                       torch.float32, "test")
-    runner = SlowCaptureRunner(policy, device_lock=runtime.turns.lock, **runner_options)  # as Runtime builds it
+    runner = SlowCaptureRunner(policy, turns=runtime.turns, **runner_options)  # as Runtime builds it
     plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
     runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background)
     return runtime, runner, plan

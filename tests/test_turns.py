@@ -1,9 +1,10 @@
-"""Whose turn the device is while CUDA graphs are captured beside serving (runtime/turns.py), and a
-batch's wait meanwhile (runtime/runner.Launched): plain threads, no device."""
+"""Whose turn the device is while CUDA graphs are captured beside serving (runtime/turns.py: a warm-up's),
+and a batch's wait meanwhile (runtime/runner.Launched): plain threads, no device."""
 
 import threading
 import time
 
+import pytest
 import torch
 
 from vlaserve.runtime.runner import HostTimed, Launched
@@ -31,56 +32,56 @@ def _idle_turns(**bounds) -> DeviceTurns:
     return turns
 
 
-def test_a_capture_waits_behind_a_serving_thread_that_waits_for_the_device():
+def test_a_warm_up_waits_behind_a_serving_thread_that_waits_for_the_device():
     turns, order = _idle_turns(FIRST_S=30.0), []  # the bound far above the 0.2 s this test watches
 
     def serve():
         with turns.serving():
             order.append("batch")
 
-    def capture():
-        turns.before_capture()
-        order.append("capture")
+    def warm_up():
+        turns.before_warm_up()
+        order.append("warm-up")
 
     with turns.lock:  # a batch on the device
         batch = threading.Thread(target=serve)
         batch.start()
         _until(lambda: turns._waiting == 1)
-        capturer = threading.Thread(target=capture)
-        capturer.start()
-        capturer.join(0.2)
-        assert capturer.is_alive() and order == []
+        warmer = threading.Thread(target=warm_up)
+        warmer.start()
+        warmer.join(0.2)
+        assert warmer.is_alive() and order == []
     batch.join(10)
-    capturer.join(10)
-    assert order == ["batch", "capture"] and turns._waiting == 0
+    warmer.join(10)
+    assert order == ["batch", "warm-up"] and turns._waiting == 0
 
 
-def test_one_capture_beside_each_launched_batch_then_after_serving_went_idle():
+def test_one_warm_up_beside_each_launched_batch_then_after_serving_went_idle():
     # FIRST_S far above every wait here, so only the rule under test can end one; "at once" below
     # means well under IDLE_S = 0.5 s, the shortest wait the rule could have imposed instead.
     turns = _idle_turns(IDLE_S=0.5, FIRST_S=30.0)
     started = time.perf_counter()
-    turns.before_capture()  # idle for long: at once
+    turns.before_warm_up()  # idle for long: at once
     turns.launched()
-    turns.before_capture()  # beside the fresh batch: at once
+    turns.before_warm_up()  # beside the fresh batch: at once
     assert time.perf_counter() - started < 0.25
 
-    second = threading.Thread(target=turns.before_capture)  # that batch already has its capture
+    second = threading.Thread(target=turns.before_warm_up)  # that batch already has its warm-up
     second.start()
     second.join(0.1)
     assert second.is_alive()
-    turns.launched()  # the next batch: the capture goes beside it
+    turns.launched()  # the next batch: the warm-up goes beside it
     second.join(10)
     assert not second.is_alive()
 
     turns.collected()
     turns.collected()  # nothing in flight: wait until serving has been idle IDLE_S
     started = time.perf_counter()
-    turns.before_capture()
+    turns.before_warm_up()
     assert 0.45 < time.perf_counter() - started < 10  # IDLE_S, less timer granularity; the upper bound only catches a hang
 
 
-def test_a_capture_waits_at_most_first_s():
+def test_a_warm_up_waits_at_most_first_s():
     turns = _idle_turns(FIRST_S=0.05)
     def serve():
         with turns.serving():
@@ -91,21 +92,20 @@ def test_a_capture_waits_at_most_first_s():
         waiter.start()
         _until(lambda: turns._waiting == 1)
         started = time.perf_counter()
-        turns.before_capture()  # a serving thread still waits: bounded all the same
+        turns.before_warm_up()  # a serving thread still waits: bounded all the same
         assert 0.04 < time.perf_counter() - started < 5
     waiter.join(10)
 
 
 class _Event:
-    """A CUDA event stand-in: done at its `after`-th query; notes whether the lock was held."""
+    """A CUDA event stand-in that notes whether the device lock was held when asked."""
 
-    def __init__(self, turns: DeviceTurns, after: int = 3):
-        self.turns, self.left, self.calls = turns, after, []
+    def __init__(self, turns: DeviceTurns):
+        self.turns, self.calls = turns, []
 
     def query(self):
         self.calls.append(("query", self.turns.lock._is_owned()))
-        self.left -= 1
-        return self.left <= 0
+        return True
 
     def synchronize(self):
         self.calls.append(("synchronize", self.turns.lock._is_owned()))
@@ -120,19 +120,27 @@ class _Stages:
         return {}
 
 
-def test_a_wait_polls_while_graphs_are_captured_and_reads_in_the_same_hold():
-    turns = _capturing_turns()
+@pytest.mark.parametrize("capturing", [True, False])
+def test_a_wait_blocks_on_its_event_without_the_device_lock(capturing):
+    """Graphs are recorded in thread-local mode, so a batch's wait needs no lock while they are, nor polls."""
+    turns = _capturing_turns() if capturing else DeviceTurns()
     event = _Event(turns)
     launched = Launched(torch.zeros(1), event, _Stages(turns, event.calls), turns)
-    assert turns._in_flight == 1
+    assert turns._in_flight == int(capturing)  # (counted only while graphs are captured beside serving)
     launched.wait()
-    assert event.calls == [("query", True)] * 3 + [("synchronize", True), ("read", True)]
-    assert turns._in_flight == 0
+    assert event.calls == [("synchronize", False), ("read", False)] and turns._in_flight == 0
+    assert launched.done() and event.calls[-1] == ("query", False)
 
-    turns = DeviceTurns()  # nothing captured: block on the event, no lock
-    event = _Event(turns)
-    Launched(torch.zeros(1), event, _Stages(turns, event.calls), turns).wait()
-    assert event.calls == [("synchronize", False), ("read", False)]
+
+def test_a_warm_up_takes_the_device_lock_and_goes_at_once_when_nothing_is_captured_beside_serving():
+    turns = DeviceTurns()  # not capturing: a runner on its own (benchmarks, tests)
+    with turns.lock:  # even with a batch on the device: nobody serves beside it
+        started = time.perf_counter()
+        turns.before_warm_up()
+        assert time.perf_counter() - started < 0.25  # (IDLE_S and FIRST_S are the waits it would impose)
+    with turns.warm_up():
+        assert turns.lock._is_owned()
+    assert not turns.lock._is_owned()
 
 
 def test_a_host_batch_counts_as_launched_and_collected():

@@ -108,18 +108,10 @@ class EagerRunner:
                            ctx.pad_mask[i].clone())
 
 
-# While graphs are captured beside serving, a wait for a batch polls its event this often instead of
-# blocking on it with the device lock held: the lock stays free while the batch runs, so a capture
-# goes on beside it (a poll costs microseconds; the batch runs 15-75 ms).
-CAPTURE_POLL_S = 0.0005
-
-
 class Launched:
-    """A batch whose device work is enqueued; its actions land in host memory when `done`.
-
-    Every wait on the device holds `turns.quiet()`: while a background warm-up may be capturing a
-    CUDA graph, another thread's event query or synchronize would break the capture. Then a wait
-    polls, holding the lock for each query only, and reads the results in the same hold."""
+    """A batch whose device work is enqueued; its actions land in host memory when `done`. Its wait
+    blocks on an event, with no lock held: a graph recorded meanwhile is in thread-local capture mode
+    (fast/graphs.py `_Graph`), which another thread's event query or synchronize leaves alone."""
 
     def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes,
                  turns: DeviceTurns):
@@ -139,22 +131,14 @@ class Launched:
         return Launched(host, ready, stages, turns)
 
     def done(self) -> bool:
-        if self._ready is None:
-            return True
-        with self._turns.quiet():
-            return self._ready.query()
+        return self._ready is None or self._ready.query()
 
     def wait(self) -> tuple[np.ndarray, dict[str, float]]:
         """Blocks until the batch is done: its model-space actions [B, H, A] (float32) and stage times."""
         try:
-            while True:
-                polling = self._turns.capturing
-                with self._turns.quiet():
-                    if self._ready is None or not polling or self._ready.query():
-                        if self._ready is not None:
-                            self._ready.synchronize()  # (a no-op after a query that said done)
-                        return self._host.numpy(), self._stages.read()
-                time.sleep(CAPTURE_POLL_S)
+            if self._ready is not None:
+                self._ready.synchronize()
+            return self._host.numpy(), self._stages.read()
         finally:
             self._turns.collected()
 
@@ -183,8 +167,7 @@ class Runtime:
                  dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
         self.progress = progress  # a progress bar on stderr while graphs are captured
-        # Device work holds the turns' lock; a warm-up takes it while it captures a CUDA graph (a
-        # capture fails if another thread touches the device meanwhile), when runtime/turns.py says.
+        # Launches hold the turns' lock; a warm-up before a graph's capture takes it when runtime/turns.py says.
         self.turns = DeviceTurns()
         self.offload = None
         if runtime.profile.offload:
@@ -225,7 +208,7 @@ class Runtime:
         pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
         use_launch_table(target)
 
-        fast = FastRunner(model, self.config, device_lock=self.turns.lock, layer_stream=self.offload,
+        fast = FastRunner(model, self.config, turns=self.turns, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
                           warmups=self.settings.capture_warmups, memset_kernels=self.settings.graph_memset_kernels)
         lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
@@ -292,8 +275,6 @@ class Runtime:
                 if graphs.can_serve():
                     self._start_serving()
                 while graphs.next_key() is not None:
-                    if self.serving.is_set():
-                        self.turns.before_capture()
                     key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
                     if compile_pool is not None and key.batch not in compiled:
                         compiled.add(key.batch)
@@ -373,7 +354,7 @@ class Runtime:
             for i in range(len(inputs.tokens))]
         vision_slots = inputs.vision_slots()  # on the host: no device round trip in `sample`
         if not self.serving.is_set():
-            self._wait_until_serving()  # outside the lock: the warm-up takes it to capture
+            self._wait_until_serving()  # outside the lock: a warm-up takes it
         if self.state == "capturing":
             self._await_graphs(inputs.tokens.shape[1], vision_slots, num_steps, rtc is not None)
         with self.turns.serving():

@@ -126,8 +126,8 @@ class HostMirror:
         self._pending = False
 
     def ready(self) -> None:
-        """Waits until the last upload has read the mirror. The caller holds the device lock (no capture
-        records meanwhile)."""
+        """Waits until the last upload has read the mirror. The caller holds the device lock (launches go
+        one at a time)."""
         if self._pending:
             self._uploaded.synchronize()
             self._pending = False

@@ -13,7 +13,6 @@ lengths x camera layouts x RTC).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from ...processing.prepare import into_buffers, to_device
 from ...types import ModelInputs
 from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
+from ..turns import DeviceTurns
 from .buffers import BufferSpec
 from .memset_nodes import memsets_as_kernels
 from .model import StaticRTC
@@ -42,8 +42,13 @@ WARMUP_STEPS = 2
 
 class _Graph:
     """One captured call. A capture records and runs nothing: the kernels it records must have run
-    before (a warm-up compiles them), and no other thread may touch the device meanwhile (the
-    caller holds the device lock).
+    before (a warm-up compiles them). It is recorded in thread-local capture mode: only this thread
+    is barred from calls that would break a capture (a synchronize, an event query, cudaMalloc), so
+    other threads go on launching batches and waiting for them meanwhile. (Global mode, torch's
+    default, bars every thread of the process: serving held a lock around every device call and
+    waited out each recording, 0.03-0.3 s a graph.) The capture stream is one of torch's pool
+    streams, which are non-blocking: work other threads put on the legacy default stream does not
+    join the capture.
 
     Captured with CUDAGraph.capture_begin / capture_end, not the `torch.cuda.graph` context: that
     context first synchronizes the whole device and empties the allocator's cache (device and
@@ -56,7 +61,7 @@ class _Graph:
         # (memset_nodes.py: the same bytes, a cheaper launch); the capture is kept until then.
         self.graph = torch.cuda.CUDAGraph(keep_graph=memset_kernels)
         with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool)
+            self.graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 self.output = fn()
             finally:
@@ -119,14 +124,14 @@ class FastRunner:
     `capture` takes one graph of a plan (runtime/capture.py) at a time, beside serving: its warm-up
     runs on scratch buffers of the same shapes (never on the static buffers a served graph reads),
     once per kernel signature (`warmups="per_graph"`: twice before every graph, the older way,
-    kept to compare); the capture itself holds the device lock. From the first `capture` on the
+    kept to compare), holding the device when `turns` allows; the recording holds nothing. From the first `capture` on the
     request path never captures: a batch whose graphs are not captured (yet) runs on captured
     sizes of its shape (`route`: padded, or split), and only a shape with none runs without graphs
     (counted in `uncaptured_calls`).
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
-                 device_lock=None, layer_stream=None, gemm_library: str = "cublas",
+                 turns: DeviceTurns | None = None, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton", warmups: str = "on_new_kernel", memset_kernels: bool = True):
         # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph");
         # memset_kernels: RuntimeConfig.graph_memset_kernels
@@ -139,7 +144,7 @@ class FastRunner:
         self.gemm_library, self.attention_library = gemm_library, attention_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
-        self._device_lock = device_lock if device_lock is not None else threading.RLock()
+        self._turns = turns if turns is not None else DeviceTurns()  # the device lock, and when a warm-up takes it
         self._buffers: dict[tuple, dict] = {}
         self._scratch: dict[tuple, object] = {}  # warm-up buffers of the batch size being captured
         self._scratch_batch = 0
@@ -207,8 +212,7 @@ class FastRunner:
                 self.uncaptured_calls += 1
                 return fn()
             self._warm_up(fn, 2)  # a runner without a plan (benchmarks, tests): on its own buffers
-            with self._device_lock:
-                graphs[key] = self._new_graph(fn)
+            graphs[key] = self._new_graph(fn)
             self.captures += 1
             self.request_path_captures += 1
         return graphs[key].replay()
@@ -234,7 +238,7 @@ class FastRunner:
     def _prefix(self, buf, vision_slots: int, graphs: bool):
         run = self._prefix_fn(buf, vision_slots)
         if self.fast.layer_stream is not None:
-            with self._device_lock:  # every call streams its layers through the same slots: one at a time
+            with self._turns.lock:  # every call streams its layers through the same slots: one at a time
                 return run()
         if graphs:
             return self._graphed(self._prefix_graphs, (*buf["tokens"].shape, vision_slots), run)
@@ -257,11 +261,15 @@ class FastRunner:
         """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this kernel signature has
         not run: the prefix once per batch size and length, at the plan's first camera layout; the Euler steps
         once per batch size, length and RTC, WARMUP_STEPS of them) runs on scratch buffers, so a graph served
-        meanwhile never reads half-written inputs; the capture records on the static buffers. Both hold the
-        device lock: no other thread runs CUDA or Triton work while a kernel compiles or a graph records (with
-        the warm-up outside the lock, the first H200 test of serving beside captures stalled: run 150). Served
-        batches wait for it: seconds where a kernel compiles, tens of ms with a warm compile cache. A batch
-        size's scratch buffers go when the plan moves to another size.
+        meanwhile never reads half-written inputs, and takes the device (`turns.warm_up`: the device lock, when
+        serving leaves room): no batch is launched while a kernel compiles or loads (with warm-ups outside the
+        lock, the first H200 test of serving beside captures stalled: run 150). The recording, on the static
+        buffers, runs nothing and holds nothing (`_Graph`): served batches launch meanwhile. A batch size's
+        scratch buffers go when the plan moves to another size.
+
+        The graph enters its store, where `launch` finds it, once it can be replayed; its shape's static buffers
+        are made here before that, so serving, which reaches a shape only through a stored graph, never makes
+        them at the same time.
 
         `warmups="on_new_kernel"`: a signature's capture goes first, and its warm-up runs only if the capture
         meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of
@@ -273,30 +281,30 @@ class FastRunner:
         if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
             return 0.0, 0.0  # nothing to capture: no graphs, or the offload profile's prefix
         b, length = key.batch, key.length
-        with self._device_lock:
-            started = time.perf_counter()
-            graphs, graph_key, signature, make = self._call_of(key, num_steps)
-            if graph_key in graphs:
-                return 0.0, 0.0
+        started = time.perf_counter()
+        graphs, graph_key, signature, make = self._call_of(key, num_steps)
+        if graph_key in graphs:
+            return 0.0, 0.0
 
-            def served_call():  # on the static buffers the graph will read
-                return make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps))
+        def served_call():  # on the static buffers the graph will read
+            return make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps))
 
-            if key.is_prefix:
-                self._warm_vision_attention(b * key.slots)
-            runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
-            graph = None
-            if runs and self._captures_first():
-                attempt = time.perf_counter()
-                graph = self._capture_if_loaded(served_call())  # (a dropped attempt counts as warm-up time)
-                self.warm_ups_skipped += graph is not None
-            if runs and graph is None:
+        if key.is_prefix:
+            self._warm_vision_attention(b * key.slots)
+        runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
+        graph = None
+        if runs and self._captures_first():
+            attempt = time.perf_counter()
+            graph = self._capture_if_loaded(served_call())  # (a dropped attempt counts as warm-up time)
+            self.warm_ups_skipped += graph is not None
+        if runs and graph is None:
+            with self._turns.warm_up():
                 self._warm_up(self._warm_up_call(key, num_steps), runs)
-            self._warmed.add(signature)
-            warmed = attempt if graph is not None else time.perf_counter()
-            graphs[graph_key] = graph if graph is not None else self._new_graph(served_call())
-            self.captures += 1
-            return warmed - started, time.perf_counter() - warmed
+        self._warmed.add(signature)
+        warmed = attempt if graph is not None else time.perf_counter()
+        graphs[graph_key] = graph if graph is not None else self._new_graph(served_call())
+        self.captures += 1
+        return warmed - started, time.perf_counter() - warmed
 
     def _captures_first(self) -> bool:
         """Whether a capture may go before its warm-up: with `on_new_kernel`, once a warm-up has run, and
@@ -323,7 +331,8 @@ class FastRunner:
         together, with it and without (runs 185 / 186): 1.65 / 2.17 s with 16 robots sending, 1.59 /
         1.70 s with none."""
         if images not in self._vision_attention_warmed:
-            self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
+            with self._turns.warm_up():
+                self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
             self._vision_attention_warmed.add(images)
 
     def _warm_up_call(self, key: GraphKey, num_steps: int):
@@ -358,18 +367,18 @@ class FastRunner:
         """Compiles the Triton kernels the warm-ups of `keys` would compile, in `pool`'s processes,
         before any of them runs (fast/precompile.py) -> how many kernels. Each call not warmed up
         yet runs once on scratch buffers with those kernels recorded instead of launched (its
-        other work, cuBLAS's, runs: on scratch, and never read), under the device lock."""
+        other work, cuBLAS's, runs: on scratch, and never read), taking the device as a warm-up does."""
         if not self.use_graphs:
             return 0
         recorder, ran = KernelRecorder(), set()
         for key in keys:
             if key.is_prefix and self.fast.layer_stream is not None:
                 continue
-            with self._device_lock:
-                graphs, graph_key, signature, _ = self._call_of(key, num_steps)
-                if graph_key in graphs or signature in self._warmed or signature in ran:
-                    continue
-                ran.add(signature)
+            graphs, graph_key, signature, _ = self._call_of(key, num_steps)
+            if graph_key in graphs or signature in self._warmed or signature in ran:
+                continue
+            ran.add(signature)
+            with self._turns.warm_up():
                 call = self._warm_up_call(key, num_steps)
                 with recorder.recording():
                     self._warm_up(call, 1)
@@ -468,8 +477,7 @@ class FastRunner:
         buf["noise"].copy_(noise, non_blocking=True)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
         start, mid, end = self._events()
-        # Still running: this call is launched behind it, and the gap between them is measured. (The
-        # caller holds the device lock: no capture is recording while the event is queried.)
+        # Still running: this call is launched behind it, and the gap between them is measured.
         previous = self._last_end if self._last_end is not None and not self._last_end.query() else None
         start.record()
         if prefix is not None:
