@@ -9,6 +9,7 @@ cache reads after a split call, and that the request path never captures.
 """
 
 import itertools
+import sys
 import threading
 import time
 
@@ -21,7 +22,7 @@ from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.capture import GraphKey, capture_plan, route
 from vlaserve.runtime.fast.graphs import WARMUP_STEPS, FastRunner
 from vlaserve.runtime.fast.graphs import _Graph as CUDAGraphCapture
-from vlaserve.runtime.runner import Runtime
+from vlaserve.runtime.runner import CAPTURE_SWITCH_INTERVAL_S, Runtime
 from vlaserve.runtime.turns import DeviceTurns
 from vlaserve.types import ModelInputs
 
@@ -438,6 +439,30 @@ def test_a_dropped_runtime_is_freed_at_once(golden_policy):
 def test_blocking_returns_with_every_graph_captured(golden_policy):
     runtime, runner, plan = _serve(golden_policy, background=False)
     assert runtime.state == "ready" and runtime.serving.is_set() and runner.captures == len(plan)
+
+
+def test_the_interpreter_switches_threads_often_while_graphs_are_captured_and_as_before_after(golden_policy):
+    """Each launch a recording makes gives the interpreter lock up and takes it back; behind a busy serving thread
+    it waited up to Python's switch interval (5 ms) each time. While the plan is captured the interval is
+    CAPTURE_SWITCH_INTERVAL_S; after it, whatever it was, also when a capture fails."""
+    seen = []
+
+    class Watched(SlowCaptureRunner):
+        def capture(self, key, num_steps):
+            seen.append(sys.getswitchinterval())
+            return super().capture(key, num_steps)
+
+    before = sys.getswitchinterval()
+    assert before > CAPTURE_SWITCH_INTERVAL_S  # (Python's default, 5 ms)
+    for fail_at in (None, "b1 L200 denoise"):
+        runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
+                          torch.device("cpu"), torch.float32, "test")
+        runner = Watched(golden_policy, turns=runtime.turns, fail_at=fail_at)
+        plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
+        runtime.serve_while_capturing(runner, plan, golden_policy.config.num_inference_steps, background=True)
+        _capture_thread().join()
+        assert seen and set(seen) == {CAPTURE_SWITCH_INTERVAL_S} and sys.getswitchinterval() == before
+        seen.clear()
 
 
 def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
