@@ -17,8 +17,8 @@ and 156, when recordings held the lock too). The rule here:
 With it (run 159, 16 robots, warm compile cache, recordings under the rule as well): 521 answers
 while capturing against 185, p99 2.0x the p99 after; the last graph 2.3 s later than without.
 
-Plain Python and threading: the runtime calls `launched` / `collected` around each batch and the
-runner `before_warm_up` before each warm-up; serving threads take the lock through `serving()`.
+Plain Python and threading: the runtime calls `launched` / `collected` around each batch, the runner
+takes the device for each warm-up through `warm_up()`, and serving threads take it through `serving()`.
 """
 
 from __future__ import annotations
