@@ -13,7 +13,7 @@ checkpoint evicted from the page cache, first with an empty compile cache, then 
 first start filled; each start reports process -> /healthz, -> first action, -> every graph
 captured, seconds per graph, and `--robots N` robots (default 16) that start sending back to back
 as soon as /healthz answers: errors, wrong answers, captures on the request path, and p99 while
-graphs are still being captured against p99 once all are.
+graphs are still being captured against p99 once all are, with the answers a second in each part.
 
     python bench/bench_serve.py [--checkpoint DIR] [--cold] [--serve-args "..."] [--label L] [--requests N] [--out DIR]
     python bench/bench_serve.py --startup [--robots 16] [--seconds-after 5]
@@ -153,6 +153,7 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(robots)]
         for t in threads:
             t.start()
+        sending_since = time.perf_counter()
         shown, progress, moved = 0.0, None, time.perf_counter()
         while True:
             block = graphs_block(port)
@@ -177,6 +178,7 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
         out["graph_bytes"] = meta.get("graph_bytes")
         time.sleep(seconds_after)
+        stopped = time.perf_counter()
         stop.set()
         for t in threads:
             t.join(timeout=30)
@@ -200,7 +202,11 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         wrong = sum(1 for _, i, _, actions in answers if i in last and float(np.abs(actions - last[i]).max()) > WRONG_ANSWER)
         out["fleet"] = {"robots": robots, "answers": len(answers), "errors": len(errors), "error_samples": errors[:3],
                         "wrong": wrong, "during_capture": percentiles(during) if during else None,
-                        "after_capture": percentiles(after) if after else None}
+                        "after_capture": percentiles(after) if after else None,
+                        # answers a second, from the robots' start to the last graph and from then to their stop:
+                        # a longer capture holds more answers, the rate says how well they were served
+                        "answers_per_s_during_capture": len(during) / (all_captured - sending_since) if during else None,
+                        "answers_per_s_after_capture": len(after) / (stopped - all_captured) if after else None}
         if during and after:
             out["fleet"]["p99_ratio"] = out["fleet"]["during_capture"]["p99_ms"] / out["fleet"]["after_capture"]["p99_ms"]
     log(json.dumps({k: v for k, v in out.items() if k != "server_log_tail"}, indent=1))

@@ -197,6 +197,8 @@ def test_bench_serve_startup(tmp_path):
         assert start["request_path_captures"] == 0
         fleet = start["fleet"]
         assert fleet["robots"] == 2 and fleet["answers"] > 0 and fleet["errors"] == fleet["wrong"] == 0
+        # a rate over at least the 0.5 s the robots keep sending after the last graph (here at once: no graphs)
+        assert 0 < fleet["answers_per_s_after_capture"] <= fleet["answers"] / 0.5
 
 
 @pytest.mark.slow
