@@ -153,7 +153,6 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         threads = [threading.Thread(target=robot, args=(i,), daemon=True) for i in range(robots)]
         for t in threads:
             t.start()
-        sending_since = time.perf_counter()
         shown, progress, moved = 0.0, None, time.perf_counter()
         while True:
             block = graphs_block(port)
@@ -203,9 +202,11 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
         out["fleet"] = {"robots": robots, "answers": len(answers), "errors": len(errors), "error_samples": errors[:3],
                         "wrong": wrong, "during_capture": percentiles(during) if during else None,
                         "after_capture": percentiles(after) if after else None,
-                        # answers a second, from the robots' start to the last graph and from then to their stop:
-                        # a longer capture holds more answers, the rate says how well they were served
-                        "answers_per_s_during_capture": len(during) / (all_captured - sending_since) if during else None,
+                        # answers a second, from /healthz (the robots' start, as the docstring says) to the last
+                        # graph and from then to their stop: a longer capture holds more answers, the rate says how
+                        # well they were served
+                        "answers_per_s_during_capture":
+                            len(during) / (all_captured - started - out["process_to_healthz_s"]) if during else None,
                         "answers_per_s_after_capture": len(after) / (stopped - all_captured) if after else None}
         if during and after:
             out["fleet"]["p99_ratio"] = out["fleet"]["during_capture"]["p99_ms"] / out["fleet"]["after_capture"]["p99_ms"]
