@@ -19,7 +19,7 @@ from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
 from vlaserve.runtime.fast.kernels import launch_options
 from vlaserve.runtime.fast.precompile import (CompilePool, KernelNotLoaded, KernelRecorder, compile_workers,
-                                              loaded_kernels_only)
+                                              hash_triton_ahead, loaded_kernels_only)
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -224,6 +224,31 @@ def test_a_cute_library_warms_every_signature_up_first(golden_policy):
         quack._warmed.add(("prefix", 1, 48, None))
         setattr(quack, library, "quack" if library == "gemm_library" else "fa4")
         assert not quack._captures_first()
+
+
+def test_tritons_own_key_is_hashed_on_a_thread_before_the_first_kernel_lookup():
+    """Triton hashes its sources and library (functools.lru_cache'd) at a process's first kernel lookup;
+    hash_triton_ahead does it on a thread of its own, so that lookup finds it cached."""
+    from triton.runtime.cache import triton_key
+
+    triton_key.cache_clear()
+    thread = hash_triton_ahead()
+    assert thread.name == "vlaserve-triton-key" and thread.daemon
+    thread.join(timeout=120)
+    assert triton_key.cache_info().currsize == 1  # computed there, once
+    assert triton_key.cache_info().misses == 1
+
+
+def test_a_triton_key_that_cannot_be_hashed_ahead_is_left_to_the_first_lookup(monkeypatch, caplog):
+    import triton.runtime.cache
+
+    def moved():
+        raise AttributeError("no triton_key here")
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", moved)
+    with caplog.at_level("INFO", logger="vlaserve.runtime.fast.precompile"):
+        hash_triton_ahead().join(timeout=10)
+    assert "not computed ahead (AttributeError: no triton_key here)" in caplog.text
 
 
 def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):

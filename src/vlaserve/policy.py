@@ -22,6 +22,7 @@ from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
+from .runtime.fast.precompile import hash_triton_ahead
 from .runtime.memory import check_before_loading
 from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
@@ -72,6 +73,8 @@ class Policy:
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
+        if settings.runs_fast_path(device.type):
+            hash_triton_ahead()  # while the weights load: off the first warm-up's path
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = resolve_device("cpu") if settings.profile.offload else device
         model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,

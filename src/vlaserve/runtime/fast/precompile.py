@@ -62,6 +62,26 @@ def _asked_on_this_thread(answer):
         triton.knobs.runtime.jit_cache_hook = previous
 
 
+def hash_triton_ahead() -> threading.Thread:
+    """Starts Triton's cache key of itself on a thread: a hash of its compiler's sources and of its
+    ~500 MB library, which a process computes once (functools.lru_cache) the first time it looks a
+    kernel up in the compile cache. That was the first warm-up's, on the way to the first action:
+    0.4-0.5 s of the capture thread on an H100 host (run 221, sampled). Started before the weights
+    load, it is done long before: reading and hashing the library release the interpreter lock."""
+    def run():
+        try:
+            from triton.runtime.cache import triton_key
+
+            triton_key()
+        except Exception as e:  # noqa: BLE001 - the first kernel lookup then hashes it, as without this
+            log.info("Triton's cache key not computed ahead (%s: %s); the first warm-up computes it",
+                     type(e).__name__, e)
+
+    thread = threading.Thread(target=run, name="vlaserve-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
 class KernelRecorder:
     """Specializations of the kernels launched on this thread that were not compiled yet:
     {specialization data (JSON, Triton's format): (the kernel's module, its name)}."""
