@@ -39,6 +39,8 @@ import numpy as np
 
 from common import (bench_checkpoint, evict_from_page_cache, log, parser, percentiles, robot_observation, save_json,
                     server_env, start_server, stop_server, wait_until_healthy)
+from vlaserve.bytecode import imported_without_bytecode  # noqa: E402  (common puts src/ on the path)
+from vlaserve.cli import BYTECODE_HINT_MODULES  # noqa: E402
 
 
 def observation(rng) -> dict:
@@ -258,6 +260,12 @@ def main() -> None:
     if args.startup:
         if args.smoke:
             args.robots, args.seconds_after = min(args.robots, 2), 0.5
+        # Modules the server imports too (torch, vlaserve) with no bytecode are compiled from source at every
+        # start, which a pip install or `vlaserve warmup` avoids: the result says how many there were.
+        results["modules_without_bytecode"] = len(imported_without_bytecode()[0])
+        if results["modules_without_bytecode"] >= BYTECODE_HINT_MODULES:
+            log(f"warning: {results['modules_without_bytecode']} imported modules have no Python bytecode: each start "
+                "below compiles them from source (`vlaserve warmup` or `python -m compileall` writes it)")
         results["startup"] = startup(args, checkpoint, workdir, device)
         save_json(results, args.out, "bench_serve_startup" + (f"_{args.label}" if args.label else ""))
         return

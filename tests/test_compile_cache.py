@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +127,22 @@ def test_warmup_loads_as_serve_blocking_and_says_where_and_how_long(h200, monkey
     assert loaded["options"]["runtime"].max_batch_size == 4
     out = capsys.readouterr().out
     assert f"compile cache {directory}: filled in " in out and "80 CUDA graphs" in out
+
+
+def test_warmup_writes_the_bytecode_a_start_would_compile_from_source(h200, monkeypatch, tmp_path, golden_policy,
+                                                                       capsys):
+    """After the cache: the modules a start imports that have no bytecode get it (vlaserve.bytecode)."""
+    import importlib.util
+
+    import vlaserve.cli
+    import vlaserve.runtime.device
+
+    sources = [tmp_path / "first.py", tmp_path / "second.py"]
+    for source in sources:
+        source.write_text("X = 1\n")
+    monkeypatch.setattr(vlaserve.runtime.device, "resolve_device", lambda name: CUDA)
+    monkeypatch.setattr(vlaserve.cli, "build_service", lambda options, demo=None, **overrides: (golden_policy, None))
+    monkeypatch.setattr(vlaserve.cli, "imported_without_bytecode", lambda: (sources, 1500))
+    assert main(["warmup", "--compile-cache", str(tmp_path / "cache")]) == 0
+    assert "python bytecode: written for 2 of the 1500 modules a start imports (they had none)" in capsys.readouterr().out
+    assert all(Path(importlib.util.cache_from_source(str(s))).exists() for s in sources)
