@@ -121,12 +121,14 @@ def test_warmup_loads_as_serve_blocking_and_says_where_and_how_long(h200, monkey
     monkeypatch.setattr(golden_policy.runtime, "stats", lambda: {**real_stats(), "graphs": {"captured": 80, "total": 80}})
     monkeypatch.setattr(vlaserve.runtime.device, "resolve_device", lambda name: CUDA)
     monkeypatch.setattr(vlaserve.cli, "build_service", build_service)
+    monkeypatch.setattr(vlaserve.cli, "imported_without_bytecode", lambda: ([], 1500))  # writes nothing here
     assert main(["warmup", "--compile-cache", str(tmp_path), "--max-batch-size", "4"]) == 0
     directory = tmp_path / cache_key(CUDA)
     assert loaded["overrides"] == {"warmup": "blocking"} and loaded["cache"] == str(directory)
     assert loaded["options"]["runtime"].max_batch_size == 4
     out = capsys.readouterr().out
     assert f"compile cache {directory}: filled in " in out and "80 CUDA graphs" in out
+    assert "python bytecode" not in out  # nothing lacked it
 
 
 def test_warmup_writes_the_bytecode_a_start_would_compile_from_source(h200, monkeypatch, tmp_path, golden_policy,

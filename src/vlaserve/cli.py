@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_info_parser(commands)
 
     warmup = commands.add_parser(
-        "warmup", argument_default=argparse.SUPPRESS, help="fill the compile cache ahead of a deploy",
+        "warmup", argument_default=argparse.SUPPRESS, help="fill the compile cache (and write missing Python bytecode) ahead of a deploy",
         description="Load a checkpoint as `vlaserve serve` would, compile the CUDA fast path's kernels into the "
                     "compile cache and capture every CUDA graph, print where and how long, and exit 0. A server "
                     "started later with the same options on the same kind of GPU and software loads the kernels "
