@@ -19,7 +19,7 @@ from vlaserve.runtime import compile_cache
 from vlaserve.runtime.capture import capture_plan
 from vlaserve.runtime.fast.kernels import launch_options
 from vlaserve.runtime.fast.precompile import (CompilePool, KernelNotLoaded, KernelRecorder, compile_workers,
-                                              hash_triton_ahead, loaded_kernels_only)
+                                              build_launcher, hash_triton_ahead, loaded_kernels_only)
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -249,6 +249,25 @@ def test_a_triton_key_that_cannot_be_hashed_ahead_is_left_to_the_first_lookup(mo
     with caplog.at_level("INFO", logger="vlaserve.runtime.fast.precompile"):
         hash_triton_ahead().join(timeout=10)
     assert "not computed ahead (AttributeError: no triton_key here)" in caplog.text
+
+
+def test_a_kernels_launcher_is_built_with_it_where_triton_builds_one_per_signature(monkeypatch):
+    """Triton 3.6 compiles a C launcher per kernel signature at its first launch (nvidia driver's
+    make_launcher, then CudaLauncher); the workers build it beside the kernel. Triton 3.9, here,
+    launches through one prebuilt launcher: nothing to build."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nvidia
+
+    built = []
+    monkeypatch.setattr(nvidia, "CudaLauncher", lambda src, metadata: built.append((src, metadata)))
+    compiled = SimpleNamespace(src="the kernel's source", metadata="its metadata")
+    monkeypatch.delattr(nvidia, "make_launcher", raising=False)
+    build_launcher(compiled)
+    assert built == []
+    monkeypatch.setattr(nvidia, "make_launcher", lambda *args: "C source", raising=False)
+    build_launcher(compiled)
+    assert built == [("the kernel's source", "its metadata")]
 
 
 def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):
