@@ -39,8 +39,7 @@ import numpy as np
 
 from common import (bench_checkpoint, evict_from_page_cache, log, parser, percentiles, robot_observation, save_json,
                     server_env, start_server, stop_server, wait_until_healthy)
-from vlaserve.bytecode import imported_without_bytecode  # noqa: E402  (common puts src/ on the path)
-from vlaserve.cli import BYTECODE_HINT_MODULES  # noqa: E402
+from vlaserve.bytecode import WARN_AT_MODULES, imported_without_bytecode  # noqa: E402  (common puts src/ on the path)
 
 
 def observation(rng) -> dict:
@@ -263,7 +262,7 @@ def main() -> None:
         # Modules the server imports too (torch, vlaserve) with no bytecode are compiled from source at every
         # start, which a pip install or `vlaserve warmup` avoids: the result says how many there were.
         results["modules_without_bytecode"] = len(imported_without_bytecode()[0])
-        if results["modules_without_bytecode"] >= BYTECODE_HINT_MODULES:
+        if results["modules_without_bytecode"] >= WARN_AT_MODULES:
             log(f"warning: {results['modules_without_bytecode']} imported modules have no Python bytecode: each start "
                 "below compiles them from source (`vlaserve warmup` or `python -m compileall` writes it)")
         results["startup"] = startup(args, checkpoint, workdir, device)

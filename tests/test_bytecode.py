@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import vlaserve.cli
-from vlaserve.bytecode import imported_without_bytecode, write_bytecode
+from vlaserve.bytecode import WARN_AT_MODULES, imported_without_bytecode, write_bytecode
 
 
 def _package(tmp_path, monkeypatch, name: str) -> list[Path]:
@@ -66,5 +66,5 @@ def test_serve_warns_when_most_of_its_imports_compile_from_source_at_every_start
 
 def test_serve_says_nothing_of_a_few_modules_without_bytecode(golden_policy, monkeypatch, caplog):
     # vlaserve's own ~80 modules, editable and PYTHONDONTWRITEBYTECODE=1: ~0.1 s a start, not worth a warning.
-    text = _startup_log(monkeypatch, caplog, golden_policy, missing=vlaserve.cli.BYTECODE_HINT_MODULES - 1)
+    text = _startup_log(monkeypatch, caplog, golden_policy, missing=WARN_AT_MODULES - 1)
     assert "no bytecode" not in text and "serving at http://127.0.0.1:8000" in text

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .about import __version__
-from .bytecode import imported_without_bytecode, write_bytecode
+from .bytecode import WARN_AT_MODULES, imported_without_bytecode, write_bytecode
 from .checkpoint.files import ReadAhead, read_ahead
 from .demo import DEMO_NAMES
 from .errors import VlaserveError
@@ -48,11 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_info_parser(commands)
 
     warmup = commands.add_parser(
-        "warmup", argument_default=argparse.SUPPRESS, help="fill the compile cache (and write missing Python bytecode) ahead of a deploy",
+        "warmup", argument_default=argparse.SUPPRESS,
+        help="fill the compile cache (and write missing Python bytecode) ahead of a deploy",
         description="Load a checkpoint as `vlaserve serve` would, compile the CUDA fast path's kernels into the "
                     "compile cache and capture every CUDA graph, print where and how long, and exit 0. A server "
                     "started later with the same options on the same kind of GPU and software loads the kernels "
-                    "instead of compiling them. Without a CUDA device there is nothing to compile: it says so "
+                    "instead of compiling them. It also writes the Python bytecode of the modules a start imports "
+                    "where there is none (PYTHONDONTWRITEBYTECODE, uv installs): otherwise every start compiles them. "
+                    "Without a CUDA device there is nothing to compile: it says so "
                     "and exits 1. Exit 2: bad options or checkpoint.")
     warmup.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
                         help="local directory or Hugging Face hub id (owner/name); none: the built-in DEMO")
@@ -266,14 +269,11 @@ def log_startup(policy, options: dict) -> None:
              host, options["port"], host, options["port"], " with an API key" if options["api_key"] else "",
              reachability(options["host"]))
     missing, imported = imported_without_bytecode()
-    if len(missing) >= BYTECODE_HINT_MODULES:
+    if len(missing) >= WARN_AT_MODULES:
         log.warning("%d of the %d Python modules this start imported have no bytecode (%s), so every start compiles "
                     "them again (~2 s of CPU for torch's alone on an H100 host): `vlaserve warmup` writes it",
                     len(missing), imported, "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode
                     else "their directories are not writable")
-
-
-BYTECODE_HINT_MODULES = 200  # fewer is ~0.1 s a start (vlaserve's own ~80, editable with PYTHONDONTWRITEBYTECODE=1)
 
 
 def reachability(host: str) -> str:
