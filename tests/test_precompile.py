@@ -270,6 +270,27 @@ def test_a_kernels_launcher_is_built_with_it_where_triton_builds_one_per_signatu
     assert built == [("the kernel's source", "its metadata")]
 
 
+def test_a_launcher_a_worker_cannot_build_is_reported_and_its_kernel_still_compiled(sm90, monkeypatch):
+    """A worker's job: the kernel compiled into the cache, and why its launcher was not built (the
+    parent's first launch then builds it), e.g. a host without a C compiler."""
+    from triton.backends.nvidia import driver as nvidia
+
+    from vlaserve.runtime.fast.precompile import _compile
+
+    def no_compiler(src, metadata):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(nvidia, "make_launcher", lambda *args: "C source", raising=False)
+    monkeypatch.setattr(nvidia, "CudaLauncher", no_compiler)
+    x, y = torch.empty(64), torch.empty(64)
+    recorder = KernelRecorder()
+    with recorder.recording():
+        _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)
+    (data,) = recorder.recorded
+    assert _compile(__name__, "_copy", data) == "RuntimeError: no C compiler"
+    assert sm90 == ["_copy"]  # compiled all the same
+
+
 def test_workers_leave_a_core_and_stop_at_sixteen(monkeypatch):
     for cores, workers in ((1, 1), (2, 1), (16, 15), (128, 16)):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
