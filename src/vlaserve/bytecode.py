@@ -1,6 +1,6 @@
 """Python bytecode for the modules a start imports.
 
-A server imports ~1,500 modules (~900 of them torch's). Python runs each from its cached bytecode
+A server imports ~1,500 modules, most of them torch's. Python runs each from its cached bytecode
 (`__pycache__/*.pyc`) when there is one and compiles it from source otherwise. pip writes the bytecode
 at install; uv does not unless asked (`--compile-bytecode`), and with PYTHONDONTWRITEBYTECODE=1, common
 in container images, Python never writes what it compiled: then every start compiles the same modules
