@@ -20,6 +20,10 @@ thread's launches compile as usual (a serving thread never launches a kernel tha
 The same hook also tells a graph capture whether every Triton kernel it records is loaded already
 (`loaded_kernels_only`), so a capture can go first and its warm-up run only when one is not
 (FastRunner.capture, `capture_warmups="on_new_kernel"`).
+
+Two more costs of a process's first kernels are taken off the path here: each worker builds the host
+launcher of what it compiles (`build_launcher`), and Triton's key of itself is hashed on a thread while
+the weights load (`hash_triton_ahead`).
 """
 
 from __future__ import annotations
@@ -144,11 +148,13 @@ class CompilePool:
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
             return 0
-        failed = [job.exception() for job in jobs if job.exception() is not None]
+        errors = [job.exception() for job in jobs]  # waits for each
+        failed = [e for e in errors if e is not None]
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
                         "compiles them", len(failed), len(jobs), type(failed[0]).__name__, failed[0])
-        unbuilt = [job.result() for job in jobs if job.exception() is None and job.result() is not None]
+        # a compiled kernel's job returns why its launcher was not built (None: built, or none to build)
+        unbuilt = [job.result() for job, e in zip(jobs, errors) if e is None and job.result() is not None]
         if unbuilt:
             log.warning("%d kernels' launchers were not built in the worker processes (%s); their first launch "
                         "builds them", len(unbuilt), unbuilt[0])
