@@ -353,3 +353,92 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
+
+
+def test_a_workers_start_imports_the_kernels_before_its_first_job(sm90):
+    """Workers started ahead (before the weights load) are of use only if their imports are done by then."""
+    with CompilePool(1, GPUTarget("cuda", 90, 32)) as pool:
+        # eval: a builtin, so the job itself imports nothing into the worker (this module imports the kernels)
+        assert pool._pool.submit(eval, "'vlaserve.runtime.fast.kernels' in __import__('sys').modules").result()
+
+
+class _StartedPool:
+    """A CompilePool stand-in for start_compile_workers: the cache it found active, closed or not."""
+
+    def __init__(self, workers):
+        self.cache, self.closed = os.environ.get(compile_cache.TRITON_ENV), False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("entries, parallel, started", [(0, True, True), (1, True, False), (0, False, False)])
+def test_compile_workers_start_in_the_activated_cache_only_when_it_is_empty(monkeypatch, tmp_path, entries,
+                                                                              parallel, started):
+    from vlaserve.config import RuntimeConfig
+    from vlaserve.runtime import runner
+
+    monkeypatch.setattr(compile_cache, "cache_key", lambda device: "this-gpu")
+    monkeypatch.setattr(compile_cache, "_activated", None)
+    monkeypatch.delenv(compile_cache.TRITON_ENV, raising=False)
+    monkeypatch.setattr(runner, "CompilePool", _StartedPool)
+    for i in range(entries):
+        (tmp_path / "this-gpu" / f"entry{i}").mkdir(parents=True)
+    pool = runner.start_compile_workers(RuntimeConfig(compile_cache=str(tmp_path), parallel_compile=parallel),
+                                        torch.device("cpu"))
+    assert os.environ[compile_cache.TRITON_ENV] == str(tmp_path / "this-gpu")
+    assert (pool is not None) == started
+    if started:
+        assert pool.cache == str(tmp_path / "this-gpu")  # the workers inherit it
+
+
+@pytest.fixture
+def fast_path_ahead(monkeypatch):
+    """from_pretrained on the CPU as on a GPU up to the Runtime: the compile workers are started (a
+    stand-in) and the order of that and the weights' load recorded."""
+    from vlaserve import policy
+    from vlaserve.config import RuntimeConfig
+
+    events, pools = [], []
+
+    def start(settings, device):
+        events.append("workers started")
+        pools.append(_StartedPool(3))
+        return pools[-1]
+
+    def load(*args, **kwargs):
+        events.append("weights loaded")
+        return real_load(*args, **kwargs)
+
+    real_load = policy.load_weights
+    monkeypatch.setattr(policy, "start_compile_workers", start)
+    monkeypatch.setattr(policy, "hash_triton_ahead", lambda: None)
+    monkeypatch.setattr(policy, "load_weights", load)
+    monkeypatch.setattr(RuntimeConfig, "runs_fast_path", lambda self, device_type: True)
+    monkeypatch.setattr("vlaserve.runtime.runner.choose_target", lambda device: None)  # a GPU it has no kernels for
+    return events, pools
+
+
+def test_compile_workers_start_before_the_weights_load_and_a_runtime_without_a_fast_path_closes_them(
+        golden, fast_path_ahead):
+    from vlaserve import Policy
+
+    events, pools = fast_path_ahead
+    Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    assert events == ["workers started", "weights loaded"]
+    assert pools[0].closed  # no fast path after all (no target): nothing to compile for
+
+
+def test_a_load_that_fails_closes_the_compile_workers_started_ahead(golden, fast_path_ahead, monkeypatch):
+    from vlaserve import Policy, policy
+
+    events, pools = fast_path_ahead
+
+    def broken(*args, **kwargs):
+        events.append("weights failed")
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(policy, "load_weights", broken)
+    with pytest.raises(OSError, match="disk gone"):
+        Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="float32", progress=False)
+    assert events == ["workers started", "weights failed"] and pools[0].closed
