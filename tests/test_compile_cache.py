@@ -33,7 +33,6 @@ def h200(monkeypatch):
     monkeypatch.setattr(compile_cache, "_triton_version", lambda: "3.6.0")
     monkeypatch.setattr(compile_cache, "__version__", "0.1.0")
     monkeypatch.setattr(compile_cache, "_activated", None)
-    monkeypatch.setattr(compile_cache, "_announced", None)
     monkeypatch.delenv(TRITON_ENV, raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 

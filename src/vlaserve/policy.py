@@ -24,7 +24,7 @@ from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import resolve_device, resolve_dtype, synchronize
 from .runtime.fast.precompile import hash_triton_ahead
 from .runtime.memory import check_before_loading
-from .runtime.runner import Runtime, start_compile_workers
+from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
 
 log = logging.getLogger(__name__)
@@ -73,26 +73,19 @@ class Policy:
         mark("config_s")
         check_before_loading(directory, config, dtype, settings, device)
         mark("device_s")  # CUDA initialization, mostly
-        compile_pool = None
         if settings.runs_fast_path(device.type):
             hash_triton_ahead()  # while the weights load: off the first warm-up's path
-            compile_pool = start_compile_workers(settings, device)  # their imports, too
-        try:
-            # Offload loads to the host: the streamed layers never touch the device as a whole.
-            load_device = resolve_device("cpu") if settings.profile.offload else device
-            model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
-                                 loader=settings.weights_loader, layout=family.weights).eval()
-            synchronize(load_device)
-            mark("weights_s")
-            layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
-            precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
-            mark("precision_s")
-            runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
-                              progress=progress, compile_pool=compile_pool)
-        except BaseException:
-            if compile_pool is not None:  # no start left to compile for
-                compile_pool.close()
-            raise
+        # Offload loads to the host: the streamed layers never touch the device as a whole.
+        load_device = resolve_device("cpu") if settings.profile.offload else device
+        model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
+                             loader=settings.weights_loader, layout=family.weights).eval()
+        synchronize(load_device)
+        mark("weights_s")
+        layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
+        precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+        mark("precision_s")
+        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
+                          progress=progress)
         mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading

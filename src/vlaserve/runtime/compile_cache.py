@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 TRITON_ENV = "TRITON_CACHE_DIR"  # Triton reads it each time it opens its cache, so setting it before the first compile is enough
 _activated: str | None = None  # the TRITON_CACHE_DIR this module set: not the user's choice
-_announced: str | None = None  # the cache the log named last: a start activates it once or twice
 
 
 def default_directory() -> Path:
@@ -56,19 +55,17 @@ def activate(directory: str | Path | None, device: torch.device) -> Path:
     """Points Triton's cache at `directory`/<cache_key> (created) and returns that path; call it before
     any kernel compiles. `directory` None: a TRITON_CACHE_DIR the user set is kept as it is, else the
     default directory is used. A directory given wins over the environment (the log says so)."""
-    global _activated, _announced
+    global _activated
     users = os.environ.get(TRITON_ENV)
     users = None if users == _activated else users
     keep = directory is None and bool(users)
     path = Path(users) if keep else Path(directory or default_directory()).expanduser() / cache_key(device)
-    if str(path) != _announced:  # once: a start activates it again when its workers were started ahead
-        if keep:
-            log.info("compile cache: %s (%s set in the environment; --compile-cache overrides it)", path, TRITON_ENV)
-        elif users:
-            log.info("compile cache: %s (--compile-cache given: %s=%s ignored)", path, TRITON_ENV, users)
-        else:
-            log.info("compile cache: %s", path)
-        _announced = str(path)
+    if keep:
+        log.info("compile cache: %s (%s set in the environment; --compile-cache overrides it)", path, TRITON_ENV)
+    elif users:
+        log.info("compile cache: %s (--compile-cache given: %s=%s ignored)", path, TRITON_ENV, users)
+    else:
+        log.info("compile cache: %s", path)
     try:
         path.mkdir(parents=True, exist_ok=True)  # concurrent replicas: exist_ok
     except OSError as e:

@@ -161,17 +161,6 @@ class Launched:
             self._turns.collected()
 
 
-def start_compile_workers(settings: RuntimeConfig, device: torch.device) -> CompilePool | None:
-    """Points Triton at the compile cache (compile_cache.activate: before any kernel compiles) and,
-    if the cache holds nothing yet, starts the worker processes that compile each batch size's
-    kernels together before its warm-ups (fast/precompile.py) -> the pool, or None: with some
-    entries, a warm-up's compiles are the few the cache lacks, one by one as they run.
-    Policy.from_pretrained calls it before the weights load, so that the workers' imports overlap the
-    disk instead of batch 1's compile; a Runtime given no pool calls it when its fast path starts."""
-    cache = activate(settings.compile_cache, device)
-    return CompilePool(compile_workers()) if settings.parallel_compile and is_empty(cache) else None
-
-
 class Runtime:
     """Serves batches on one device: picks the runner, consults the prefix cache, times the stages.
 
@@ -184,8 +173,7 @@ class Runtime:
     or, if that was before batch 1's first, fail with NotServing). Elsewhere (the eager model) it is "ready" at once.
     `warmup="blocking"` returns from the constructor once all are captured (a failure raises);
     "background" returns at once, and a batch launched before `serving` waits for it, at most
-    SERVING_WAIT_S. `compile_pool`: the compile workers started ahead (start_compile_workers); the
-    Runtime owns it from then on (closed when the capture plan ends, or at once without a fast path).
+    SERVING_WAIT_S.
     """
 
     # How long a batch launched before batch 1's graphs exist waits for them before NotServing:
@@ -194,7 +182,7 @@ class Runtime:
     SERVING_WAIT_S = 120.0
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
-                 dtype: torch.dtype, revision: str, progress: bool = False, compile_pool: CompilePool | None = None):
+                 dtype: torch.dtype, revision: str, progress: bool = False):
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
         self.progress = progress  # a progress bar on stderr while graphs are captured
         # Launches hold the turns' lock; a warm-up before a graph's capture takes it when runtime/turns.py says.
@@ -221,22 +209,21 @@ class Runtime:
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
         target = choose_target(device) if runtime.runs_fast_path(device.type) else None
         if target is not None:
-            self._start_fast_path(model, target, runtime.warmup == "background", compile_pool)  # both families
-            return
-        if compile_pool is not None:  # started ahead for a fast path that does not run here
-            compile_pool.close()
-        if runtime.gemm_library != "cublas":
+            self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
+        elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
 
-    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool,
-                         pool: CompilePool | None) -> None:
+    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
-        if pool is None:
-            pool = start_compile_workers(self.settings, self.device)
+        cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
+        # A cache without a single entry: every kernel is compiled, so each batch size's are
+        # compiled together in worker processes before its warm-ups (fast/precompile.py). With
+        # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
+        pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
         use_launch_table(target)
 
         fast = FastRunner(model, self.config, turns=self.turns, layer_stream=self.offload,

@@ -191,9 +191,6 @@ def _start_worker(target: tuple) -> None:
     from triton.runtime import driver
 
     driver.set_active(_TargetDriver(GPUTarget(*target)))
-    # The kernels every call runs, and torch with them: imported as the worker starts (while the parent
-    # loads the weights, Policy.from_pretrained) rather than by its first job, on batch 1's way.
-    importlib.import_module(f"{__package__}.kernels")
 
 
 def _compile(module: str, name: str, specialization_data: str) -> str | None:
