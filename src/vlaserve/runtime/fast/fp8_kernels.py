@@ -20,58 +20,7 @@ from ...model.fp8 import E4M3, E4M3_MAX
 from .kernels import launch_options, triton
 
 if triton is not None:
-    import triton.language as tl
-
-    @triton.jit
-    def _round_e4m3(y):
-        """fp32 y, |y| <= 448 -> the nearest e4m3 value (ties to even), as fp32, its sign kept (-0
-        too, as torch's cast). The step is 2^(e - 3) for |y| in [2^e, 2^(e+1)), and 2^-9 below 2^-6
-        (subnormals); |y| / step is then below 16, where adding and subtracting 1.5 * 2^23 rounds it
-        to an integer, ties to even."""
-        bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-        rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
-        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
-        sign = (bits >> 31) << 31
-        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, STATIC: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < M
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-        q_rows = q_ptr + rows.to(tl.int64)[:, None] * K
-        cols = tl.arange(0, BLOCK)[None, :]
-        if STATIC:
-            scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(static_ptr).to(tl.float32)
-        if ONE_PASS:  # K <= BLOCK: the rows stay in registers from their amax to their rounding
-            mask = row_ok[:, None] & (cols < K)
-            v = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            if not STATIC:
-                row_max = tl.max(tl.abs(v), axis=1)
-                scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
-            tl.store(s_ptr + rows, scale, mask=row_ok)
-            q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0))
-            tl.store(q_rows + cols, q.to(tl.float8e4nv), mask=mask)
-        else:  # a wide row: its amax, then its rounding, reading it again (mostly from L2)
-            if not STATIC:
-                amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK):
-                    mask = row_ok[:, None] & (k0 + cols < K)
-                    v = tl.load(x_rows + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-                    amax = tl.maximum(amax, tl.abs(v))
-                row_max = tl.max(amax, axis=1)
-                scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
-            tl.store(s_ptr + rows, scale, mask=row_ok)
-            for k0 in range(0, K, BLOCK):
-                mask = row_ok[:, None] & (k0 + cols < K)
-                v = tl.load(x_rows + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-                q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0))
-                tl.store(q_rows + k0 + cols, q.to(tl.float8e4nv), mask=mask)
+    from .kernel_code import _quantize_rows
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,9 @@ def _start_worker(target: tuple) -> None:
     from triton.runtime import driver
 
     driver.set_active(_TargetDriver(GPUTarget(*target)))
+    # The kernels' device code (Triton, no torch: fast/kernel_code.py), imported as the worker starts,
+    # which is while the parent records what to compile (CompilePool starts them), not by its first job.
+    importlib.import_module(f"{__package__}.kernel_code")
 
 
 def _compile(module: str, name: str, specialization_data: str) -> str | None:
