@@ -100,7 +100,10 @@ def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp
             _copy[(1,)](x, y, 64, BLOCK=block, **OPTIONS)
     assert set(recorder.recorded.values()) == {(__name__, "_copy")}
     with CompilePool(2, _Sm90().get_current_target()) as pool:
+        assert pool.slowest is None
         assert pool.compile(recorder) == 3 and recorder.recorded == {}
+        name, seconds = pool.slowest  # the kernel a start waited for longest, as its worker timed it
+        assert name == "_copy" and seconds > 0
     compiled = _cache_entries(tmp_path)
     assert len(compiled) >= 3 and sm90 == []  # compiled by the workers, into this process's cache
     # the launches compile what the workers compiled, under the same keys: no entry is added
@@ -287,7 +290,8 @@ def test_a_launcher_a_worker_cannot_build_is_reported_and_its_kernel_still_compi
     with recorder.recording():
         _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)
     (data,) = recorder.recorded
-    assert _compile(__name__, "_copy", data) == "RuntimeError: no C compiler"
+    seconds, problem = _compile(__name__, "_copy", data)
+    assert problem == "RuntimeError: no C compiler" and seconds > 0
     assert sm90 == ["_copy"]  # compiled all the same
 
 
@@ -321,7 +325,7 @@ class _Recording:
 class _Pool:
     """A compile pool stand-in: closed once the plan ends."""
 
-    closed, workers = False, 3
+    closed, workers, slowest = False, 3, ("_mqa_split", 1.25)
 
     def __enter__(self):
         return self
@@ -331,7 +335,7 @@ class _Pool:
 
 
 @pytest.mark.parametrize("with_pool", [False, True])
-def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, with_pool):
+def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, with_pool, caplog):
     from vlaserve.runtime.runner import Runtime
 
     runner = _Recording()
@@ -339,7 +343,8 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
                       torch.device("cpu"), torch.float32, "test")
     plan = capture_plan((1, 2, 4), (48, 96), 2)
     pool = _Pool() if with_pool else None
-    runtime.serve_while_capturing(runner, plan, 10, background=False, compile_pool=pool)
+    with caplog.at_level("INFO", logger="vlaserve.runtime.runner"):
+        runtime.serve_while_capturing(runner, plan, 10, background=False, compile_pool=pool)
     captures = [e[1] for e in runner.events if e[0] == "capture"]
     assert captures == plan
     precompiles = [(i, e) for i, e in enumerate(runner.events) if e[0] == "precompile"]
@@ -353,6 +358,8 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
+    assert "batch 1: 7 kernels compiled in 3 worker processes in" in caplog.text
+    assert "(the slowest, _mqa_split, 1.2 s in its worker)" in caplog.text
 
 
 def test_a_worker_imports_the_kernels_code_as_it_starts_and_never_torch(sm90):

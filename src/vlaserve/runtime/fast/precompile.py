@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -132,6 +133,9 @@ class CompilePool:
 
             target = driver.active.get_current_target()
         self.workers = workers
+        # The last compile's slowest kernel, (its name, seconds in its worker): with many workers the
+        # slowest bounds the compile, so it names what a start with an empty cache waits for.
+        self.slowest: tuple[str, float] | None = None
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
                                          initargs=((target.backend, target.arch, target.warp_size),))
@@ -153,8 +157,10 @@ class CompilePool:
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
                         "compiles them", len(failed), len(jobs), type(failed[0]).__name__, failed[0])
-        # a compiled kernel's job returns why its launcher was not built (None: built, or none to build)
-        unbuilt = [job.result() for job, e in zip(jobs, errors) if e is None and job.result() is not None]
+        # a compiled kernel's job returns its seconds and why its launcher was not built (None: built, or none to build)
+        done = [(name, job.result()) for job, e, (_, name) in zip(jobs, errors, recorded.values()) if e is None]
+        self.slowest = max(((name, seconds) for name, (seconds, _) in done), key=lambda x: x[1], default=None)
+        unbuilt = [problem for _, (_, problem) in done if problem is not None]
         if unbuilt:
             log.warning("%d kernels' launchers were not built in the worker processes (%s); their first launch "
                         "builds them", len(unbuilt), unbuilt[0])
@@ -196,8 +202,10 @@ def _start_worker(target: tuple) -> None:
     importlib.import_module(f"{__package__}.kernel_code")
 
 
-def _compile(module: str, name: str, specialization_data: str) -> str | None:
-    """Compiles one recorded specialization, and its launcher -> why the launcher was not built, or None."""
+def _compile(module: str, name: str, specialization_data: str) -> tuple[float, str | None]:
+    """Compiles one recorded specialization, and its launcher -> (seconds, why the launcher was not
+    built or None)."""
+    started = time.perf_counter()
     kernel = importlib.import_module(module)
     for part in name.split("."):
         kernel = getattr(kernel, part)
@@ -205,8 +213,8 @@ def _compile(module: str, name: str, specialization_data: str) -> str | None:
     try:
         build_launcher(compiled)
     except Exception as e:  # noqa: BLE001 - the parent's first launch then builds it, as without this
-        return f"{type(e).__name__}: {e}"
-    return None
+        return time.perf_counter() - started, f"{type(e).__name__}: {e}"
+    return time.perf_counter() - started, None
 
 
 def build_launcher(compiled) -> None:
