@@ -133,9 +133,9 @@ class CompilePool:
 
             target = driver.active.get_current_target()
         self.workers = workers
-        # The last compile's slowest kernel, (its name, seconds in its worker): with many workers the
-        # slowest bounds the compile, so it names what a start with an empty cache waits for.
-        self.slowest: tuple[str, float] | None = None
+        # The last compile: its seconds from the first job submitted to the last done, and its slowest
+        # kernel, (its name, seconds in its worker): with many workers the slowest bounds the compile.
+        self.seconds, self.slowest = 0.0, None
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
                                          initargs=((target.backend, target.arch, target.warp_size),))
@@ -147,12 +147,14 @@ class CompilePool:
         emptied). A kernel that fails here is left to its warm-up, which compiles it again and
         raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
+        started = time.perf_counter()
         try:
             jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
             return 0
         errors = [job.exception() for job in jobs]  # waits for each
+        self.seconds = time.perf_counter() - started
         failed = [e for e in errors if e is not None]
         if failed:
             log.warning("%d of %d kernels did not compile in the worker processes (%s: %s); their warm-up "
