@@ -1,4 +1,5 @@
-"""Triton kernels for the action expert's Euler steps (the latency-bound part of a call).
+"""Triton kernels for the action expert's Euler steps (the latency-bound part of a call): their launches
+and configurations here, their device code in kernel_code.py.
 
 At batch 1 an expert GEMM has 50 rows: stock kernels tile over N only and leave most SMs idle,
 reading the weights far below memory bandwidth. These kernels split K as well, and fuse what
