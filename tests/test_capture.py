@@ -198,6 +198,11 @@ def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, 
 
 
 class _EmptyPool:
+    def recorder(self):
+        from vlaserve.runtime.fast.precompile import KernelRecorder
+
+        return KernelRecorder(on_record=lambda *kernel: pytest.fail(f"recorded {kernel}"))
+
     def compile(self, recorder):
         assert recorder.recorded == {}  # the stock kernels: no Triton kernel to record
         return 0

@@ -112,6 +112,39 @@ def test_the_workers_compile_into_the_cache_and_the_warm_up_finds_them(sm90, tmp
     assert _cache_entries(tmp_path) == compiled and len(sm90) == 3
 
 
+def test_a_pools_recorder_gives_each_kernel_to_the_workers_as_it_is_recorded(sm90, tmp_path):
+    """So that the compiles overlap the rest of the recording; compile() then waits for them."""
+    x, y = torch.empty(64), torch.empty(64)
+    with CompilePool(1, _Sm90().get_current_target()) as pool:
+        recorder = pool.recorder()
+        with recorder.recording():
+            _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)
+            _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)  # the same specialization: given once
+            (job,) = pool._submitted.values()
+            job.result()  # compiled while the recording goes on
+            assert _cache_entries(tmp_path)
+            _copy[(1,)](x, y, 64, BLOCK=32, **OPTIONS)
+        assert pool.compile(recorder) == 2 and pool._submitted == {}
+        assert 0 < pool.slowest[1] < pool.seconds
+    compiled = _cache_entries(tmp_path)
+    assert sm90 == []  # nothing compiled in this process
+    for block in (16, 32):  # the launches load what the workers compiled: no entry is added
+        assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,), **OPTIONS) is not None
+    assert _cache_entries(tmp_path) == compiled and len(sm90) == 2
+
+
+def test_workers_gone_while_recording_leave_the_recording_going_and_the_compiles_to_the_warm_ups(sm90, caplog):
+    with CompilePool(1, _Sm90().get_current_target()) as pool:
+        assert isinstance(pool._pool.submit(os._exit, 1).exception(), BrokenProcessPool)
+        recorder = pool.recorder()
+        with recorder.recording():
+            _copy[(1,)](torch.empty(64), torch.empty(64), 64, BLOCK=64, **OPTIONS)  # no error here
+        assert len(recorder.recorded) == 1
+        with caplog.at_level("WARNING"):
+            assert pool.compile(recorder) == 0
+    assert "the compile workers are gone" in caplog.text
+
+
 def test_another_threads_launches_compile_as_usual_while_one_records(sm90):
     x, y = torch.empty(64), torch.empty(64)
     recorder, compiled = KernelRecorder(), []
@@ -359,7 +392,7 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
     assert "batch 1: 7 kernels compiled in 3 worker processes in" in caplog.text
-    assert "(recorded in " in caplog.text and "s, the slowest, _mqa_split, 1.2 s in its worker)" in caplog.text
+    assert "s from the first recorded, the slowest, _mqa_split, 1.2 s in its worker)" in caplog.text
 
 
 def test_a_worker_imports_the_kernels_code_as_it_starts_and_never_torch(sm90):

@@ -281,10 +281,10 @@ class Runtime:
         kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool)
         seconds = time.perf_counter() - started
         graphs.compiled(kernels, seconds)
-        # where the seconds went: the calls run to record their kernels, then the workers' compile
+        # where the seconds went: the calls run to record their kernels, each kernel compiled from its recording on
         slowest = "" if pool.slowest is None else ", the slowest, %s, %.1f s in its worker" % pool.slowest
-        log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s (recorded in %.1f s%s)", key.batch,
-                 kernels, pool.workers, seconds, seconds - pool.seconds, slowest)
+        log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s (%.1f s from the first recorded%s)",
+                 key.batch, kernels, pool.workers, seconds, pool.seconds, slowest)
 
     def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs

@@ -30,7 +30,7 @@ from .buffers import BufferSpec
 from .memset_nodes import memsets_as_kernels
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
-from .precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
+from .precompile import CompilePool, KernelNotLoaded, loaded_kernels_only
 
 # A warm-up runs the Euler loop for this many steps, not the call's: every step launches the same
 # kernel specializations except the first and the last (Pi0.5's fused action step with and without
@@ -370,7 +370,7 @@ class FastRunner:
         other work, cuBLAS's, runs: on scratch, and never read), taking the device as a warm-up does."""
         if not self.use_graphs:
             return 0
-        recorder, ran = KernelRecorder(), set()
+        recorder, ran = pool.recorder(), set()  # each kernel to the workers as it is recorded
         for key in keys:
             if key.is_prefix and self.fast.layer_stream is not None:
                 continue

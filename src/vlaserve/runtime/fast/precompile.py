@@ -4,9 +4,10 @@ A warm-up compiles each kernel the first time it launches, one after another: wi
 cache batch 1's graphs waited ~20 s for it on an H200 (run 159), 0.3-1.5 s a kernel. Here the call
 runs once with Triton's `jit_cache_hook` answering "skip" for every kernel not compiled yet: nothing
 of it launches, and its specialization (the argument types, alignments and constexprs its launch
-would compile for, in Triton's own serialized form) is recorded. Worker processes then compile each
+would compile for, in Triton's own serialized form) is recorded. Worker processes compile each
 one with `JITFunction.preload`, exactly as the launch would have, into the compile cache (the
-same key), and the warm-up after it loads them from there instead of compiling.
+same key), from the moment it is recorded (`CompilePool.recorder`), and the warm-up after it loads
+them from there instead of compiling.
 
 Processes, not threads: Triton's front end is Python, so compile threads hold the interpreter lock
 for much of their time. On 15 threads batch 1's 27 kernels took 5.5 s, and the later batch sizes'
@@ -35,7 +36,7 @@ import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,12 @@ def hash_triton_ahead() -> threading.Thread:
 
 class KernelRecorder:
     """Specializations of the kernels launched on this thread that were not compiled yet:
-    {specialization data (JSON, Triton's format): (the kernel's module, its name)}."""
+    {specialization data (JSON, Triton's format): (the kernel's module, its name)}. `on_record(data,
+    module, name)`, if given, is called for each one as it is first recorded."""
 
-    def __init__(self):
+    def __init__(self, on_record=None):
         self.recorded: dict[str, tuple[str, str]] = {}
+        self._on_record = on_record
 
     @contextlib.contextmanager
     def recording(self):
@@ -100,7 +103,11 @@ class KernelRecorder:
         (launches nothing); compiled kernels launch as usual."""
         def record(launch) -> bool:
             kernel = launch["fn"].jit_function.fn
-            self.recorded[launch["compile"]["specialization_data"]] = (kernel.__module__, kernel.__qualname__)
+            data = launch["compile"]["specialization_data"]
+            if data not in self.recorded:
+                self.recorded[data] = (kernel.__module__, kernel.__qualname__)
+                if self._on_record is not None:
+                    self._on_record(data, *self.recorded[data])
             return True  # skip: compile nothing, launch nothing
 
         with _asked_on_this_thread(record):
@@ -136,20 +143,38 @@ class CompilePool:
         # The last compile: its seconds from the first job submitted to the last done, and its slowest
         # kernel, (its name, seconds in its worker): with many workers the slowest bounds the compile.
         self.seconds, self.slowest = 0.0, None
+        self._submitted: dict[str, Future] = {}  # by recorder(), as recorded: not yet waited for
+        self._started: float | None = None  # when the first of them was submitted
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
                                          initargs=((target.backend, target.arch, target.warp_size),))
         for _ in range(workers):  # start them now: their imports overlap the recording
             self._pool.submit(int)
 
-    def compile(self, recorder: KernelRecorder) -> int:
-        """Compiles what `recorder` holds, in parallel, and waits -> how many compiled (the record is
-        emptied). A kernel that fails here is left to its warm-up, which compiles it again and
-        raises as the launch would (logged here once)."""
-        recorded, recorder.recorded = recorder.recorded, {}
-        started = time.perf_counter()
+    def recorder(self) -> KernelRecorder:
+        """A recorder whose kernels go to the workers as they are recorded, so that their compiles
+        overlap the rest of the recording (the calls' Python, and the libraries' first work on the
+        device); `compile` then waits for them."""
+        return KernelRecorder(on_record=self._submit)
+
+    def _submit(self, data: str, module: str, name: str) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
         try:
-            jobs = [self._pool.submit(_compile, module, name, data) for data, (module, name) in recorded.items()]
+            self._submitted[data] = self._pool.submit(_compile, module, name, data)
+        except BrokenProcessPool:  # compile() submits it again, and says the workers are gone
+            pass
+
+    def compile(self, recorder: KernelRecorder) -> int:
+        """Compiles what `recorder` holds (what the workers were given as it was recorded, and the rest),
+        in parallel, and waits -> how many compiled (the record is emptied). A kernel that fails here is
+        left to its warm-up, which compiles it again and raises as the launch would (logged here once)."""
+        recorded, recorder.recorded = recorder.recorded, {}
+        started = self._started or time.perf_counter()
+        submitted, self._submitted, self._started = self._submitted, {}, None
+        try:
+            jobs = [submitted.pop(data, None) or self._pool.submit(_compile, module, name, data)
+                    for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
             return 0
