@@ -3,7 +3,7 @@
 kernels.py and fp8_kernels.py launch them (and say what each computes and why). They live apart, importing
 Triton but not torch, because a compile worker (fast/precompile.py) imports the module of each kernel it
 compiles: with the kernels beside their torch launchers, each of the 15 workers of an empty-cache start
-imported torch before its first compile.
+imported torch before its first compile (batch 1's compile 5.3-6.7 s then, 3.8-4.0 s without: run 228).
 """
 
 from __future__ import annotations
