@@ -368,7 +368,8 @@ class _Pool:
 
 
 @pytest.mark.parametrize("with_pool", [False, True])
-def test_each_batch_size_compiles_together_before_its_first_capture(golden_policy, with_pool, caplog):
+def test_the_graphs_serving_waits_for_then_each_batch_size_compile_together_before_their_first_capture(
+        golden_policy, with_pool, caplog):
     from vlaserve.runtime.runner import Runtime
 
     runner = _Recording()
@@ -384,13 +385,19 @@ def test_each_batch_size_compiles_together_before_its_first_capture(golden_polic
     if not with_pool:
         assert precompiles == []
         return
-    # one per batch size, right before its first capture, with every key of that size
-    assert [e[1] for _, e in precompiles] == [tuple(k for k in plan if k.batch == b) for b in (1, 4, 2)]
-    for i, e in precompiles:
+    # first batch 1's common call, its prefix and Euler steps (what serving waits for: the first action waits
+    # for their kernels only), then each batch size's keys, each group right before its first capture
+    serving = (plan[0], plan[1])
+    assert plan[0].batch == plan[1].batch == 1 and plan[0].is_prefix and not plan[1].is_prefix
+    assert [e[1] for _, e in precompiles] == [serving, *(tuple(k for k in plan if k.batch == b) for b in (1, 4, 2))]
+    assert precompiles[0][0] == 0 and runner.events[1:3] == [("capture", plan[0]), ("capture", plan[1])]
+    assert runner.events[4] == ("capture", plan[2])  # batch 1's others: after its first two, before its third
+    for i, e in precompiles[2:]:
         assert runner.events[i + 1] == ("capture", e[1][0]) and e[2] is pool
     assert pool.closed
     graphs = runtime.stats()["graphs"]
-    assert graphs["kernels_compiled_ahead"] == 21 and graphs["compile_ahead_s"] >= 0
+    assert graphs["kernels_compiled_ahead"] == 28 and graphs["compile_ahead_s"] >= 0
+    assert "serving: 7 kernels compiled in 3 worker processes in" in caplog.text
     assert "batch 1: 7 kernels compiled in 3 worker processes in" in caplog.text
     assert "s from the first recorded, the slowest, _mqa_split, 1.2 s in its worker)" in caplog.text
 

@@ -220,8 +220,9 @@ class Runtime:
         from .fast.launch_tables import use_launch_table
 
         cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
-        # A cache without a single entry: every kernel is compiled, so each batch size's are
-        # compiled together in worker processes before its warm-ups (fast/precompile.py). With
+        # A cache without a single entry: every kernel is compiled, so a group's (the graphs serving
+        # waits for, then each batch size's) are compiled together in worker processes before its
+        # warm-ups (fast/precompile.py, serve_while_capturing). With
         # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
         pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
         use_launch_table(target)
@@ -260,8 +261,9 @@ class Runtime:
         (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the
         captures run in a thread and this returns at once; else they run here and a failure raises.
-        `compile_pool`: before a batch size's first capture, runner.precompile(its keys, num_steps,
-        compile_pool) compiles their kernels together; the pool is closed once the plan ends."""
+        `compile_pool`: before the first capture of a group of keys, runner.precompile(its keys,
+        num_steps, compile_pool) compiles their kernels together: first the keys serving waits for,
+        then each batch size's (the first size's others); the pool is closed once the plan ends."""
         self.runner, self.fast_path = runner, True
         self._graphs = _GraphProgress(plan, num_steps)
         self.state = "warming_up"
@@ -274,21 +276,26 @@ class Runtime:
         threading.Thread(target=self._capture, args=args, kwargs={"reraise": False}, name="vlaserve-capture",
                          daemon=True).start()
 
-    def _precompile(self, runner, key: GraphKey, num_steps: int, pool: CompilePool) -> None:
-        """Compiles the kernels of key's batch size together (see serve_while_capturing)."""
+    def _precompile(self, runner, keys: list[GraphKey], what: str, num_steps: int, pool: CompilePool) -> None:
+        """Compiles the kernels of `keys` together (see serve_while_capturing); `what` names them in the log."""
         graphs = self._graphs
         started = time.perf_counter()
-        kernels = runner.precompile([k for k in graphs.plan if k.batch == key.batch], num_steps, pool)
+        kernels = runner.precompile(keys, num_steps, pool)
         seconds = time.perf_counter() - started
         graphs.compiled(kernels, seconds)
         # where the seconds went: the calls run to record their kernels, each kernel compiled from its recording on
         slowest = "" if pool.slowest is None else ", the slowest, %s, %.1f s in its worker" % pool.slowest
-        log.info("batch %d: %d kernels compiled in %d worker processes in %.1f s (%.1f s from the first recorded%s)",
-                 key.batch, kernels, pool.workers, seconds, pool.seconds, slowest)
+        log.info("%s: %d kernels compiled in %d worker processes in %.1f s (%.1f s from the first recorded%s)",
+                 what, kernels, pool.workers, seconds, pool.seconds, slowest)
 
     def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs
-        compiled: set[int] = set()  # batch sizes precompiled
+        # Kernels are compiled by group before a group's first capture: the keys serving waits for (the
+        # first action waits for their kernels only), then each batch size's.
+        groups = {"serving": [k for k in graphs.plan if graphs.serves(k)]}
+        for k in graphs.plan:
+            groups.setdefault(f"batch {k.batch}", []).append(k)
+        compiled: set[str] = set()
         try:
             with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
                       disable=not self.progress) as bar, compile_pool or contextlib.nullcontext(), _switching_often():
@@ -296,9 +303,10 @@ class Runtime:
                     self._start_serving()
                 while graphs.next_key() is not None:
                     key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
-                    if compile_pool is not None and key.batch not in compiled:
-                        compiled.add(key.batch)
-                        self._precompile(runner, key, num_steps, compile_pool)
+                    group = "serving" if graphs.serves(key) else f"batch {key.batch}"
+                    if compile_pool is not None and group not in compiled:
+                        compiled.add(group)
+                        self._precompile(runner, groups[group], group, num_steps, compile_pool)
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
@@ -471,6 +479,10 @@ class _GraphProgress:
 
     def can_serve(self) -> bool:
         return self._serve_keys <= self._captured
+
+    def serves(self, key: GraphKey) -> bool:
+        """Whether serving waits for `key`'s graph."""
+        return key in self._serve_keys
 
     def next_key(self) -> GraphKey | None:
         """The next graph to capture: the first one a waiting call asked for, else the plan's next."""
