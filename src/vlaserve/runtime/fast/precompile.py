@@ -237,11 +237,12 @@ def _compile(module: str, name: str, specialization_data: str) -> tuple[float, s
     for part in name.split("."):
         kernel = getattr(kernel, part)
     compiled = kernel.preload(specialization_data)
+    problem = None
     try:
         build_launcher(compiled)
     except Exception as e:  # noqa: BLE001 - the parent's first launch then builds it, as without this
-        return time.perf_counter() - started, f"{type(e).__name__}: {e}"
-    return time.perf_counter() - started, None
+        problem = f"{type(e).__name__}: {e}"
+    return time.perf_counter() - started, problem
 
 
 def build_launcher(compiled) -> None:
