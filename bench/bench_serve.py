@@ -10,13 +10,14 @@ starts `vlaserve serve CHECKPOINT --device cuda` as a fresh process, and measure
 
 `--startup` measures restarts instead (no route latencies): the server is started twice with the
 checkpoint evicted from the page cache, first with an empty compile cache, then with the one the
-first start filled; each start reports process -> /healthz, -> first action, -> every graph
+first start filled (`--same-host-restart`: then a third time with the weights left in the page
+cache by the second, as a server restarted after a crash on the same machine finds them); each start reports process -> /healthz, -> first action, -> every graph
 captured, seconds per graph, and `--robots N` robots (default 16) that start sending back to back
 as soon as /healthz answers: errors, wrong answers, captures on the request path, and p99 while
 graphs are still being captured against p99 once all are, with the answers a second in each part.
 
     python bench/bench_serve.py [--checkpoint DIR] [--cold] [--serve-args "..."] [--label L] [--requests N] [--out DIR]
-    python bench/bench_serve.py --startup [--robots 16] [--seconds-after 5]
+    python bench/bench_serve.py --startup [--robots 16] [--seconds-after 5] [--same-host-restart]
 
 Needs openpi-client (bench/prepare_device.sh's wheels). Writes bench_serve[_LABEL].json; --smoke
 serves the golden checkpoint on the CPU.
@@ -106,13 +107,13 @@ def metric(port: int, name: str) -> float:
 
 
 def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], robots: int, seconds_after: float,
-                device: str, log_path: Path) -> dict:
-    """One start of `vlaserve serve` (page cache evicted): process -> /healthz, -> first action,
-    -> every graph captured; `robots` robots back to back from /healthz on, their latencies split
-    at the moment the last graph was captured."""
+                device: str, log_path: Path, evict: bool = True) -> dict:
+    """One start of `vlaserve serve` (page cache evicted, unless `evict` is false): process -> /healthz,
+    -> first action, -> every graph captured; `robots` robots back to back from /healthz on, their
+    latencies split at the moment the last graph was captured."""
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-    if device == "cuda":
+    if device == "cuda" and evict:
         evict_from_page_cache(checkpoint)
     out: dict = {"compile_cache_files_before": sum(1 for p in compile_cache.rglob("*") if p.is_file())}
     started = time.perf_counter()
@@ -216,14 +217,17 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
 
 
 def startup(args, checkpoint: Path, workdir: Path, device: str) -> dict:
-    """Two starts: an empty compile cache, then the one the first start filled."""
+    """Two starts: an empty compile cache, then the one the first start filled (page cache evicted before
+    each); with --same-host-restart a third, the weights left in the page cache by the second."""
     cache = workdir / "compile-cache"
     results = {}
-    for label in ("empty_compile_cache", "warm_compile_cache"):
+    starts = ["empty_compile_cache", "warm_compile_cache"] + (["same_host_restart"] if args.same_host_restart else [])
+    for label in starts:
         log(f"--- start with {label.replace('_', ' ')} ---")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         results[label] = startup_run(checkpoint, cache, args.serve_args.split(), args.robots, args.seconds_after,
-                                     device, Path(args.out) / f"bench_serve_startup_{label}.log")
+                                     device, Path(args.out) / f"bench_serve_startup_{label}.log",
+                                     evict=label != "same_host_restart")
     return results
 
 
@@ -243,6 +247,9 @@ def main() -> None:
     ap.add_argument("--robots", type=int, default=16, help="--startup: robots back to back from /healthz on")
     ap.add_argument("--seconds-after", type=float, default=5.0,
                     help="--startup: how long the robots keep sending once every graph is captured")
+    ap.add_argument("--same-host-restart", action="store_true",
+                    help="--startup: a third start, the weights still in the page cache (a crash restart on the "
+                         "same machine)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:

@@ -185,11 +185,12 @@ def test_smoke(script, tmp_path):
 
 
 def test_bench_serve_startup(tmp_path):
-    """--startup: two restarts, each answering its robots from /healthz on (the CPU's eager runtime
-    has no graphs: every graph is "captured" at once, and none is ever captured on a request's path)."""
-    run("bench_serve", tmp_path, "--startup")
+    """--startup: two restarts (three with --same-host-restart), each answering its robots from /healthz
+    on (the CPU's eager runtime has no graphs: every graph is "captured" at once, and none is ever
+    captured on a request's path)."""
+    run("bench_serve", tmp_path, "--startup", "--same-host-restart")
     r = json.loads((tmp_path / "bench_serve_startup.json").read_text())["startup"]
-    assert set(r) == {"empty_compile_cache", "warm_compile_cache"}
+    assert set(r) == {"empty_compile_cache", "warm_compile_cache", "same_host_restart"}
     for start in r.values():
         assert start["server_exit_code"] == 0
         assert start["process_to_every_graph_s"] >= start["process_to_first_action_s"] > start["process_to_healthz_s"] > 0
