@@ -204,6 +204,9 @@ class RuntimeConfig:
     # CUDA graphs: the memset nodes that cuDNN and cuBLASLt record replaced by fill kernels writing the same
     # bytes (runtime/fast/memset_nodes.py: ~1.7 us less host time per node at every launch); False: kept.
     graph_memset_kernels: bool = True
+    # The fast path, no prefix cache: a request's raw frames go to the device on a thread and stream of their
+    # own as soon as they pass their checks, while the rest is prepared (runtime/uploads.py); False: in the launch.
+    upload_frames_ahead: bool = True
 
     def __post_init__(self):
         buckets = self.prompt_buckets

@@ -8,6 +8,7 @@ thread validates it, and the batch is only stacked afterwards.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
 from ..model.rtc import RTCGuidance, rtc_prefix_weights
+from ..runtime.uploads import Upload
 from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
 from .encoded import decode_image
 from .images import bytes_to_model_range, empty_image, finish_frame, place_frames, prepare_image
@@ -51,9 +53,12 @@ class Preprocessor:
     def noise_shape(self) -> tuple[int, int]:
         return self.config.action_horizon, self.config.model.max_action_dim
 
-    def prepare(self, request: Request) -> PreparedObservation:
+    def prepare(self, request: Request, upload: Callable[[list[torch.Tensor]], Upload] | None = None
+                ) -> PreparedObservation:
         """Checks the request against this checkpoint and preprocesses it (once: the result is kept
-        on the request)."""
+        on the request). `upload` (the runtime's FrameUploads.submit): raw frames of the model's size
+        are handed to it as soon as they pass their checks, and go to the device while the rest is
+        prepared; the host keeps views of them, never a stacked copy."""
         if request.prepared is not None:
             return request.prepared
         c, obs = self.config, request.observation
@@ -84,6 +89,7 @@ class Preprocessor:
             for i, _ in pending:
                 slots[i] = blank
             slots += [blank] * absent
+        uploaded = upload(slots) if upload is not None and bytes_only and not pending else None
 
         normalized_state = self.state_norm.normalize(obs.state)
         prompt, bins = self.family.prompt(obs.task, normalized_state)
@@ -91,8 +97,8 @@ class Preprocessor:
         tokenized = (self.tokenizer(prompt, c.max_token_len) if bins is None
                      else self.tokenizer.state_prompt(obs.task, bins, c.max_token_len))
         request.prepared = PreparedObservation(
-            images=_stacked_frames(slots), image_mask=torch.tensor([cam in present for cam in slot_cameras]),
-            slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
+            images=_stacked_frames(slots) if uploaded is None else None, upload=uploaded,
+            image_mask=torch.tensor([cam in present for cam in slot_cameras]), slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
             token_mask=torch.from_numpy(tokenized.mask), normalized_state=normalized_state, state_bins=bins,
             prompt=prompt, truncated=tokenized.truncated, noise=self._noise(request),
             rtc=None if request.rtc is None else self._rtc(request.rtc), pending=tuple(pending))
@@ -141,14 +147,18 @@ class Preprocessor:
         return PreparedRtc(prev, weights, rtc.max_guidance_weight)
 
     def collate(self, requests: list[Request]) -> tuple[ModelInputs, torch.Tensor, RTCGuidance | None]:
-        """The batch's model inputs (host), noise [B, H, A] and RTC guidance (None when no item has RTC)."""
+        """The batch's model inputs (on the host, but the images on the device where every item's were
+        uploaded), noise [B, H, A] and RTC guidance (None when no item has RTC)."""
         prepared = [self.prepare(r) for r in requests]
-        images = [p.images for p in prepared]
-        if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
-            images = [model_images(p) for p in prepared]  # (pending frames finished here, on the host)
-            pending = ()
+        if all(p.upload is not None for p in prepared):  # every item's frames on the device already
+            images, pending = [p.upload.frames() for p in prepared], ()
         else:
-            pending = tuple((i, slot, frame) for i, p in enumerate(prepared) for slot, frame in p.pending)
+            images = [host_images(p) for p in prepared]
+            if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
+                images = [model_images(p) for p in prepared]  # (pending frames finished here, on the host)
+                pending = ()
+            else:
+                pending = tuple((i, slot, frame) for i, p in enumerate(prepared) for slot, frame in p.pending)
         tokens = _batched([p.tokens for p in prepared])
         token_mask = _batched([p.token_mask for p in prepared])
         if self.prompt_buckets:
@@ -187,9 +197,15 @@ def _pixels(image, field: str):
     return decode_image(image, field) if isinstance(image, EncodedImage) else image
 
 
+def host_images(prepared: PreparedObservation) -> torch.Tensor:
+    """Its slots [N, 3, S, S] in host memory: an uploaded request's stacked from the views it kept."""
+    return _stacked_frames(prepared.upload.slots) if prepared.images is None else prepared.images
+
+
 def model_images(prepared: PreparedObservation) -> torch.Tensor:
     """[N, 3, S, S] float32 in [-1, 1], pending resizes done here (on the host)."""
-    images = place_frames(prepared.images, prepared.pending) if prepared.pending else prepared.images
+    images = host_images(prepared)
+    images = place_frames(images, prepared.pending) if prepared.pending else images
     return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
 
 
@@ -224,7 +240,7 @@ def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor]) -> None:
     `tokens`, `token_mask`, and `state` where the model takes one): each input copied up once into its
     buffer, in the layout it has, and the bytes converted as they are written into `images` (a lone
     request: 8 device operations, where moving it and then copying it into the buffers took 15); pending
-    frames resized there. Inputs already on the device are copied across the same way."""
+    frames resized there. Inputs already on the device (uploaded frames) are copied across the same way."""
     images = buffers["images"]
     if inputs.images.dtype == torch.uint8:
         bytes_to_model_range(inputs.images.to(images.device, non_blocking=True), out=images)

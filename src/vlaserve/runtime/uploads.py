@@ -1,0 +1,75 @@
+"""Camera frames sent to the device as soon as a request's images have passed their checks.
+
+A robot's observation carries 0.45 MB of raw frames (3 cameras of 224x224). Copied up in the launch
+(`processing.prepare.into_buffers`), from pageable memory, they held the host for most of the half
+millisecond a lone robot's device waited before its prefix started (performance.md, "A lone robot's
+host time"). Here they go up on a thread and a CUDA stream of their own while the thread that prepares
+the request goes on with its state, prompt and noise, the batcher and the launch; the launch then
+only orders its stream after the upload. A request queued behind a running batch has its frames on
+the device before its batch is formed. The bytes are the same, so the model's inputs are too.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Upload:
+    """One request's camera slots on their way to the device; `slots` are the host views they left from
+    (a batch that runs from host memory stacks them: processing.prepare.host_images)."""
+
+    def __init__(self, slots: list[torch.Tensor], future: Future):
+        self.slots, self._future = slots, future
+
+    def frames(self) -> torch.Tensor:
+        """The slots on the device, [N, 3, S, S] uint8, once the copies are enqueued; the calling thread's
+        current stream is ordered after them (and the memory held until that stream is past its use)."""
+        frames, copied = self._future.result()
+        if copied is not None:
+            stream = torch.cuda.current_stream(frames.device)
+            stream.wait_event(copied)
+            frames.record_stream(stream)
+        return frames
+
+
+class FrameUploads:
+    """Uploads camera slots (uint8 [3, S, S] views of the frames as they arrived) to `device`, one
+    request after another, on one thread; on CUDA on a stream of its own, so a copy never waits for
+    the batch running on the serving stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vlaserve-upload")
+        self.uploads = 0
+
+    def submit(self, slots: list[torch.Tensor]) -> Upload:
+        self.uploads += 1
+        return Upload(slots, self._thread.submit(self._upload, slots))
+
+    def _upload(self, slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        # Frames sent channels-last (HWC, as cameras give them) are copied as they lie, one plain copy a
+        # camera, into a channels-last block viewed channels-first: what `_stacked_frames` builds on the host.
+        channels_last = all(s.permute(1, 2, 0).is_contiguous() for s in slots)
+        n, (c, h, w) = len(slots), slots[0].shape
+        if self._stream is None:
+            return _copied(slots, n, c, h, w, channels_last, self.device), None
+        with torch.cuda.stream(self._stream):
+            frames = _copied(slots, n, c, h, w, channels_last, self.device)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return frames, copied
+
+
+def _copied(slots, n: int, c: int, h: int, w: int, channels_last: bool, device) -> torch.Tensor:
+    if channels_last:
+        block = torch.empty((n, h, w, c), dtype=torch.uint8, device=device)
+        for i, slot in enumerate(slots):
+            block[i].copy_(slot.permute(1, 2, 0), non_blocking=True)
+        return block.permute(0, 3, 1, 2)
+    block = torch.empty((n, c, h, w), dtype=torch.uint8, device=device)
+    for i, slot in enumerate(slots):
+        block[i].copy_(slot, non_blocking=True)
+    return block
