@@ -156,3 +156,29 @@ def test_on_a_gpu_uploaded_frames_reach_the_buffers_after_a_busy_stream(golden_p
     expected = BufferSpec.of(policy.config, 2, torch.float32, host_inputs.tokens.shape[1]).allocate("cuda")
     into_buffers(host_inputs, expected)
     assert torch.equal(buffers["images"].cpu(), expected["images"].cpu())
+
+
+def test_the_option_is_refused_where_it_cannot_work(golden):
+    """Asked for with the prefix cache (whose keys hash each request's frames on the host) or off the CUDA
+    fast path (the CPU's eager model), it is an error at start-up, not an option silently ignored."""
+    from vlaserve.config import RuntimeConfig
+    from vlaserve.errors import ConfigError
+    from vlaserve.family import load_policy_config
+    from vlaserve.runtime.runner import Runtime
+
+    with pytest.raises(ConfigError, match="upload_frames_ahead does not combine with prefix_cache"):
+        RuntimeConfig(upload_frames_ahead=True, prefix_cache=4)
+    config = load_policy_config(golden / "checkpoint")
+    with pytest.raises(ConfigError, match="upload_frames_ahead runs on the CUDA fast path only"):
+        Runtime(None, config, RuntimeConfig(device="cpu", upload_frames_ahead=True), torch.device("cpu"),
+                torch.float32, "r")
+
+
+def test_serve_takes_the_flag_and_the_config_key(tmp_path):
+    from vlaserve.options import serve_options
+
+    assert serve_options({})["runtime"].upload_frames_ahead is False
+    assert serve_options({"upload_frames_ahead": True})["runtime"].upload_frames_ahead is True
+    config = tmp_path / "serve.json"
+    config.write_text('{"upload_frames_ahead": true}')
+    assert serve_options({"config": str(config)})["runtime"].upload_frames_ahead is True

@@ -208,8 +208,8 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        # Raw frames sent up ahead of their launch (runtime/uploads.py); not with the prefix cache, whose keys
-        # hash each request's frames on the host.
+        # Raw frames sent up ahead of their launch (runtime/uploads.py); RuntimeConfig refuses it with the prefix
+        # cache, whose keys hash each request's frames on the host.
         self.uploads: FrameUploads | None = None
         target = choose_target(device) if runtime.runs_fast_path(device.type) else None
         if target is not None:
@@ -218,6 +218,8 @@ class Runtime:
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
+        elif runtime.upload_frames_ahead:
+            raise ConfigError("upload_frames_ahead runs on the CUDA fast path only")
 
     def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
         from .fast.graphs import FastRunner
@@ -257,7 +259,7 @@ class Runtime:
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
                      self.graph_bytes / 2**30, estimate.engine / 2**30)
 
-        if self.settings.upload_frames_ahead and self.prefix_cache is None:
+        if self.settings.upload_frames_ahead:
             self.uploads = FrameUploads(self.device)
         self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, pool)
 
