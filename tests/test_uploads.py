@@ -182,3 +182,25 @@ def test_serve_takes_the_flag_and_the_config_key(tmp_path):
     config = tmp_path / "serve.json"
     config.write_text('{"upload_frames_ahead": true}')
     assert serve_options({"config": str(config)})["runtime"].upload_frames_ahead is True
+
+
+def test_a_backlog_never_holds_more_than_max_held_requests_frames_on_the_device(golden_policy):
+    """Past `max_held` frames held (uploaded and not yet dropped with their request), a request's frames
+    take the launch's way; once requests are done with, uploads resume."""
+    import gc
+
+    policy = golden_policy
+    uploads = FrameUploads(torch.device("cpu"), max_held=2)
+    requests = [policy.request(_observation(policy, "hwc", i), seed=i) for i in range(3)]
+    for request in requests:
+        policy.preprocessor.prepare(request, uploads.submit)
+    assert [r.prepared.upload is not None for r in requests] == [True, True, False]
+    assert requests[2].prepared.images is not None  # stacked on the host, as without uploads
+    assert uploads.stats() == {"uploads": 2, "held": 2, "declined": 1}
+    inputs, _, _ = policy.preprocessor.collate(requests)  # a mixed batch: from the host, every item
+    assert inputs.images.shape[0] == 3
+    del requests, inputs
+    gc.collect()
+    assert uploads.stats()["held"] == 0
+    again = policy.request(_observation(policy, "hwc", 9), seed=9)
+    assert policy.preprocessor.prepare(again, uploads.submit).upload is not None

@@ -53,12 +53,13 @@ class Preprocessor:
     def noise_shape(self) -> tuple[int, int]:
         return self.config.action_horizon, self.config.model.max_action_dim
 
-    def prepare(self, request: Request, upload: Callable[[list[torch.Tensor]], Upload] | None = None
+    def prepare(self, request: Request, upload: Callable[[list[torch.Tensor]], Upload | None] | None = None
                 ) -> PreparedObservation:
         """Checks the request against this checkpoint and preprocesses it (once: the result is kept
         on the request). `upload` (the runtime's FrameUploads.submit): raw frames of the model's size
         are handed to it as soon as they pass their checks, and go to the device while the rest is
-        prepared; the host keeps views of them, never a stacked copy."""
+        prepared; the host keeps views of them, never a stacked copy (where it declines, None, they
+        are stacked here as without it)."""
         if request.prepared is not None:
             return request.prepared
         c, obs = self.config, request.observation

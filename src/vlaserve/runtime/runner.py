@@ -446,7 +446,7 @@ class Runtime:
                            "memset_nodes": dict(getattr(runner, "memset_nodes", {})) or None},
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
                 # requests whose frames went to the device as they were checked (runtime/uploads.py); None: off
-                "frame_uploads": None if self.uploads is None else self.uploads.uploads}
+                "frame_uploads": None if self.uploads is None else self.uploads.stats()}
 
 
 class _GraphProgress:

@@ -11,6 +11,8 @@ the device before its batch is formed. The bytes are the same, so the model's in
 
 from __future__ import annotations
 
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -37,17 +39,44 @@ class Upload:
 class FrameUploads:
     """Uploads camera slots (uint8 [3, S, S] views of the frames as they arrived) to `device`, one
     request after another, on one thread; on CUDA on a stream of its own, so a copy never waits for
-    the batch running on the serving stream."""
+    the batch running on the serving stream.
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    At most `max_held` requests' frames are held on the device at once (uploaded, or on their way, and
+    not yet dropped with their request): past that, `submit` declines and the request's frames go up in
+    its launch as without uploads, so a backlog of queued requests never grows device memory."""
+
+    # Four batches of the largest size: a lone robot's frames (0.45 MB at 3 x 224 x 224) and a full
+    # batch queued behind a running one are far below it.
+    MAX_HELD = 32
+
+    def __init__(self, device: torch.device, max_held: int = MAX_HELD):
+        self.device, self.max_held = device, max_held
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vlaserve-upload")
-        self.uploads = 0
+        self._lock = threading.Lock()
+        self.held = 0
+        self.uploads = 0  # requests whose frames were sent ahead
+        self.declined = 0  # requests that found `max_held` held and went the launch's way
 
-    def submit(self, slots: list[torch.Tensor]) -> Upload:
-        self.uploads += 1
-        return Upload(slots, self._thread.submit(self._upload, slots))
+    def submit(self, slots: list[torch.Tensor]) -> Upload | None:
+        """Starts the upload of one request's slots -> its Upload, or None when `max_held` are held."""
+        with self._lock:
+            if self.held >= self.max_held:
+                self.declined += 1
+                return None
+            self.held += 1
+            self.uploads += 1
+        upload = Upload(slots, self._thread.submit(self._upload, slots))
+        weakref.finalize(upload, self._release)  # its device memory goes with it (and its request)
+        return upload
+
+    def _release(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"uploads": self.uploads, "held": self.held, "declined": self.declined}
 
     def _upload(self, slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         # Frames sent channels-last (HWC, as cameras give them) are copied as they lie, one plain copy a
