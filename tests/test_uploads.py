@@ -137,17 +137,20 @@ def test_a_failed_upload_fails_its_batch_with_the_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)")
-def test_on_a_gpu_uploaded_frames_reach_the_buffers_after_a_busy_stream(golden_policy):
-    """Frames uploaded on the uploads' stream while the serving stream is busy land in the buffers the
-    serving stream fills after it: the launch's stream waits for the upload, not the other way round."""
+def test_on_a_gpu_the_launch_waits_for_the_uploads_copies(golden_policy):
+    """The uploads' stream held up by work queued before the copies: the serving stream, which collates and
+    converts the frames, must wait for them (without `Upload.frames`' wait it would read the block before the
+    copies land: uninitialized memory, not the frames)."""
     policy = golden_policy
     uploads = FrameUploads(torch.device("cuda"))
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(uploads._stream):  # ~tens of ms of work ahead of the copies on the uploads' stream
+        for _ in range(20):
+            busy = busy @ busy / 4096
     requests = [policy.request(_observation(policy, "hwc", i), seed=i) for i in range(2)]
     for request in requests:
         policy.preprocessor.prepare(request, uploads.submit)
-    busy = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):  # the serving stream busy for a while
-        busy = busy @ busy / 4096
     inputs, _, _ = policy.preprocessor.collate(requests)
     buffers = BufferSpec.of(policy.config, 2, torch.float32, inputs.tokens.shape[1]).allocate("cuda")
     into_buffers(inputs, buffers)
