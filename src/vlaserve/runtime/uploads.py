@@ -46,7 +46,8 @@ class FrameUploads:
     its launch as without uploads, so a backlog of queued requests never grows device memory."""
 
     # Four batches of the largest size: a lone robot's frames (0.45 MB at 3 x 224 x 224) and a full
-    # batch queued behind a running one are far below it.
+    # batch queued behind a running one are far below it. At most 14 MB of frames at 3 x 224 x 224: inside
+    # the margin the startup memory check keeps over the measured peak (runtime/memory.py, HEADROOM_BYTES).
     MAX_HELD = 32
 
     def __init__(self, device: torch.device, max_held: int = MAX_HELD):
