@@ -156,7 +156,8 @@ class Preprocessor:
         else:
             images = [host_images(p) for p in prepared]
             if len({im.dtype for im in images}) > 1:  # bytes and floats in one batch: floats for all
-                images = [model_images(p) for p in prepared]  # (pending frames finished here, on the host)
+                # (pending frames finished here, on the host; each item's slots stacked once, above)
+                images = [_in_model_range(im, p.pending) for im, p in zip(images, prepared)]
                 pending = ()
             else:
                 pending = tuple((i, slot, frame) for i, p in enumerate(prepared) for slot, frame in p.pending)
@@ -205,8 +206,11 @@ def host_images(prepared: PreparedObservation) -> torch.Tensor:
 
 def model_images(prepared: PreparedObservation) -> torch.Tensor:
     """[N, 3, S, S] float32 in [-1, 1], pending resizes done here (on the host)."""
-    images = host_images(prepared)
-    images = place_frames(images, prepared.pending) if prepared.pending else images
+    return _in_model_range(host_images(prepared), prepared.pending)
+
+
+def _in_model_range(images: torch.Tensor, pending) -> torch.Tensor:
+    images = place_frames(images, pending) if pending else images
     return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
 
 

@@ -80,26 +80,22 @@ class FrameUploads:
             return {"uploads": self.uploads, "held": self.held, "declined": self.declined}
 
     def _upload(self, slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        # Frames sent channels-last (HWC, as cameras give them) are copied as they lie, one plain copy a
-        # camera, into a channels-last block viewed channels-first: what `_stacked_frames` builds on the host.
-        channels_last = all(s.permute(1, 2, 0).is_contiguous() for s in slots)
-        n, (c, h, w) = len(slots), slots[0].shape
         if self._stream is None:
-            return _copied(slots, n, c, h, w, channels_last, self.device), None
+            return _copied(slots, self.device), None
         with torch.cuda.stream(self._stream):
-            frames = _copied(slots, n, c, h, w, channels_last, self.device)
+            frames = _copied(slots, self.device)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         return frames, copied
 
 
-def _copied(slots, n: int, c: int, h: int, w: int, channels_last: bool, device) -> torch.Tensor:
-    if channels_last:
-        block = torch.empty((n, h, w, c), dtype=torch.uint8, device=device)
-        for i, slot in enumerate(slots):
-            block[i].copy_(slot.permute(1, 2, 0), non_blocking=True)
-        return block.permute(0, 3, 1, 2)
-    block = torch.empty((n, c, h, w), dtype=torch.uint8, device=device)
+def _copied(slots: list[torch.Tensor], device) -> torch.Tensor:
+    """The slots [N, 3, S, S] in one block on `device`, one copy a camera. Frames sent channels-last (HWC, as
+    cameras give them) are copied as they lie into a channels-last block viewed channels-first: what
+    processing.prepare's `_stacked_frames` builds on the host."""
+    channels_last = all(s.permute(1, 2, 0).is_contiguous() for s in slots)
+    order = (1, 2, 0) if channels_last else (0, 1, 2)
+    block = torch.empty((len(slots), *slots[0].permute(order).shape), dtype=torch.uint8, device=device)
     for i, slot in enumerate(slots):
-        block[i].copy_(slot, non_blocking=True)
-    return block
+        block[i].copy_(slot.permute(order), non_blocking=True)
+    return block.permute(0, 3, 1, 2) if channels_last else block
