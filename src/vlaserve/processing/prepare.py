@@ -16,10 +16,9 @@ import torch
 from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
 from ..model.rtc import RTCGuidance, rtc_prefix_weights
-from ..runtime.uploads import Upload
 from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
 from .encoded import decode_image
-from .images import bytes_to_model_range, empty_image, finish_frame, place_frames, prepare_image
+from .images import bytes_to_model_range, empty_image, finish_frame, place_frames, prepare_image, stacked_frames
 from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer
 
@@ -53,7 +52,8 @@ class Preprocessor:
     def noise_shape(self) -> tuple[int, int]:
         return self.config.action_horizon, self.config.model.max_action_dim
 
-    def prepare(self, request: Request, upload: Callable[[list[torch.Tensor]], Upload | None] | None = None
+    # `upload` returns a runtime.uploads.Upload: named, not imported (the runtime imports this layer).
+    def prepare(self, request: Request, upload: Callable[[list[torch.Tensor]], "Upload | None"] | None = None
                 ) -> PreparedObservation:
         """Checks the request against this checkpoint and preprocesses it (once: the result is kept
         on the request). `upload` (the runtime's FrameUploads.submit): raw frames of the model's size
@@ -98,8 +98,9 @@ class Preprocessor:
         tokenized = (self.tokenizer(prompt, c.max_token_len) if bins is None
                      else self.tokenizer.state_prompt(obs.task, bins, c.max_token_len))
         request.prepared = PreparedObservation(
-            images=_stacked_frames(slots) if uploaded is None else None, upload=uploaded,
-            image_mask=torch.tensor([cam in present for cam in slot_cameras]), slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
+            images=stacked_frames(slots) if uploaded is None else None, upload=uploaded,
+            image_mask=torch.tensor([cam in present for cam in slot_cameras]), slot_cameras=slot_cameras,
+            tokens=torch.from_numpy(tokenized.ids),
             token_mask=torch.from_numpy(tokenized.mask), normalized_state=normalized_state, state_bins=bins,
             prompt=prompt, truncated=tokenized.truncated, noise=self._noise(request),
             rtc=None if request.rtc is None else self._rtc(request.rtc), pending=tuple(pending))
@@ -201,7 +202,7 @@ def _pixels(image, field: str):
 
 def host_images(prepared: PreparedObservation) -> torch.Tensor:
     """Its slots [N, 3, S, S] in host memory: an uploaded request's stacked from the views it kept."""
-    return _stacked_frames(prepared.upload.slots) if prepared.images is None else prepared.images
+    return stacked_frames(prepared.upload.slots) if prepared.images is None else prepared.images
 
 
 def model_images(prepared: PreparedObservation) -> torch.Tensor:
@@ -212,18 +213,6 @@ def model_images(prepared: PreparedObservation) -> torch.Tensor:
 def _in_model_range(images: torch.Tensor, pending) -> torch.Tensor:
     images = place_frames(images, pending) if pending else images
     return bytes_to_model_range(images) if images.dtype == torch.uint8 else images
-
-
-def _stacked_frames(slots: list[torch.Tensor]) -> torch.Tensor:
-    """The camera slots [3, S, S] as one [N, 3, S, S] tensor. Cameras send channels-last (HWC)
-    frames, which reach here as channels-first views: stacked as they lie (a plain copy per frame)
-    and viewed channels-first, they are put in channels-first order on the device, by `to_device`;
-    a stack in channels-first order transposes on the host (3 frames of 224x224 on an H200 server's
-    CPU: 329 us against 25 at p50)."""
-    channels_last = [s.permute(1, 2, 0) for s in slots]
-    if all(s.is_contiguous() for s in channels_last):
-        return torch.stack(channels_last).permute(0, 3, 1, 2)
-    return torch.stack(slots)
 
 
 def to_device(inputs: ModelInputs, device) -> ModelInputs:

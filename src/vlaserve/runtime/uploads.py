@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..processing.images import stacked_frames
+
 
 class Upload:
     """One request's camera slots on their way to the device; `slots` are the host views they left from
@@ -81,21 +83,10 @@ class FrameUploads:
 
     def _upload(self, slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if self._stream is None:
-            return _copied(slots, self.device), None
+            return stacked_frames(slots, self.device), None
         with torch.cuda.stream(self._stream):
-            frames = _copied(slots, self.device)
+            frames = stacked_frames(slots, self.device)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         return frames, copied
 
-
-def _copied(slots: list[torch.Tensor], device) -> torch.Tensor:
-    """The slots [N, 3, S, S] in one block on `device`, one copy a camera. Frames sent channels-last (HWC, as
-    cameras give them) are copied as they lie into a channels-last block viewed channels-first: what
-    processing.prepare's `_stacked_frames` builds on the host."""
-    channels_last = all(s.permute(1, 2, 0).is_contiguous() for s in slots)
-    order = (1, 2, 0) if channels_last else (0, 1, 2)
-    block = torch.empty((len(slots), *slots[0].permute(order).shape), dtype=torch.uint8, device=device)
-    for i, slot in enumerate(slots):
-        block[i].copy_(slot.permute(order), non_blocking=True)
-    return block.permute(0, 3, 1, 2) if channels_last else block
