@@ -89,9 +89,8 @@ def main() -> None:
     tokenizer_type = type(pre.tokenizer)
     tokenizer_type.__call__ = timed("tokenizer", tokenizer_type.__call__)
     # (Absent from older trees, which this script can time too: PYTHONPATH=OLD/src.)
-    for name in ("stacked_frames", "_stacked_frames"):  # (its name in older trees)
-        if hasattr(prepare_module, name):
-            setattr(prepare_module, name, timed("stack_frames", getattr(prepare_module, name)))
+    if hasattr(prepare_module, "_stacked_frames"):
+        prepare_module._stacked_frames = timed("stack_frames", prepare_module._stacked_frames)
     if hasattr(tokenizer_type, "state_prompt"):
         tokenizer_type.state_prompt = timed("tokenizer", tokenizer_type.state_prompt)
     type(pre.state_norm).normalize = timed("state_normalize", type(pre.state_norm).normalize)

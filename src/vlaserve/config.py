@@ -196,10 +196,6 @@ class RuntimeConfig:
                                                              "refuses any sign disagreement on them")
     action_groups: tuple | str = _option((), "NAME=I-J;...", "action groups the fp8 gate checks one by one, "
                                                              "as arm=0-5;gripper=6")
-    upload_frames_ahead: bool = _option(False, "", "CUDA fast path, no prefix cache: send a request's raw camera "
-                                                  "frames to the device as soon as they pass their checks, on a "
-                                                  "thread and stream of their own, instead of in its launch (off "
-                                                  "until measured on a GPU: docs/gpu.md)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
     # CUDA, an empty compile cache: each batch size's Triton kernels compiled together in worker processes
@@ -249,9 +245,6 @@ class RuntimeConfig:
              "precision fp8 runs its GEMMs through torch._scaled_mm: gemm_library must be cublas"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
-            (not (self.upload_frames_ahead and self.prefix_cache),
-             "upload_frames_ahead does not combine with prefix_cache: the cache's keys hash each request's frames "
-             "on the host"),
             (self.compile_cache is None or bool(str(self.compile_cache).strip()),
              "compile_cache must be a directory, not empty"),
             (self.prompt_buckets == "auto" or all(b >= 1 for b in self.prompt_buckets),

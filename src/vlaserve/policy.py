@@ -134,13 +134,9 @@ class Policy:
         return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc,
                               default_steps=self.config.num_inference_steps)
 
-    def prepare(self, request: Request | dict, upload: bool = True) -> PreparedObservation:
-        """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field. Raw
-        frames go to the device meanwhile where the runtime sends them ahead (`upload` False: never, as for
-        a keep-warm rehearsal, whose request never runs)."""
-        uploads = self.runtime.uploads if upload else None
-        return self.preprocessor.prepare(request if isinstance(request, Request) else self.request(request),
-                                         None if uploads is None else uploads.submit)
+    def prepare(self, request: Request | dict) -> PreparedObservation:
+        """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
+        return self.preprocessor.prepare(request if isinstance(request, Request) else self.request(request))
 
     def is_light(self, request: Request) -> bool:
         """Whether `prepare(request)` is cheap enough to run where latency matters (raw frames: no

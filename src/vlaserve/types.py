@@ -160,9 +160,7 @@ class RtcOptions:
 class PreparedObservation:
     """One observation after host preprocessing (what the model sees, plus how it got there)."""
 
-    # [N, 3, S, S]: float32 in [-1, 1], or uint8 bytes; slots in the reference's order. None while `upload`
-    # holds them (uint8, on their way to the device; processing.prepare.host_images stacks them on the host).
-    images: "torch.Tensor | None"
+    images: torch.Tensor  # [N, 3, S, S]: float32 in [-1, 1], or uint8 bytes; slots in the reference's order
     image_mask: torch.Tensor  # [N] bool
     slot_cameras: list[str]  # camera of each slot
     tokens: torch.Tensor  # [L] int64
@@ -176,9 +174,6 @@ class PreparedObservation:
     # Camera frames whose resize-with-pad runs on the device (slot, raw [3, H, W]: uint8, or float
     # in [0, 1]); their slots in `images` hold a placeholder until then (processing.prepare.to_device).
     pending: tuple[tuple[int, torch.Tensor], ...] = ()
-    # The slots sent to the device as they were checked (runtime.uploads.Upload: named, not imported, as
-    # the data types import nothing of the layers that use them).
-    upload: "Upload | None" = None
 
 
 @dataclass(frozen=True)

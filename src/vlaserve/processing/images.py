@@ -164,24 +164,6 @@ def prepare_image(image, resolution: int, field: str, normalized: bool = False,
     return unit * 2.0 - 1.0
 
 
-def stacked_frames(slots: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The camera slots [3, S, S] as one [N, 3, S, S] tensor, on the host or, given `device`, in one block
-    there (a plain copy a camera). Cameras send channels-last (HWC) frames, which reach here as
-    channels-first views: stacked as they lie and viewed channels-first, they are put in channels-first
-    order on the device, by `processing.prepare.to_device`; a stack in channels-first order transposes on
-    the host (3 frames of 224x224 on an H200 server's CPU: 329 us against 25 at p50)."""
-    hwc = [s.permute(1, 2, 0) for s in slots]
-    channels_last = all(s.is_contiguous() for s in hwc)
-    lying = hwc if channels_last else slots
-    if device is None:
-        block = torch.stack(lying)
-    else:
-        block = torch.empty((len(lying), *lying[0].shape), dtype=lying[0].dtype, device=device)
-        for into, slot in zip(block, lying):
-            into.copy_(slot, non_blocking=True)
-    return block.permute(0, 3, 1, 2) if channels_last else block
-
-
 def empty_image(resolution: int) -> torch.Tensor:
     """What an absent camera contributes (its mask is off, so its values never matter)."""
     return torch.full((3, resolution, resolution), -1.0)

@@ -40,7 +40,6 @@ from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 from .turns import DeviceTurns
-from .uploads import FrameUploads
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +207,6 @@ class Runtime:
             log.info("memory profile %s: prefix cache of %d entries (%d asked)", runtime.memory_profile, entries,
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
-        # Raw frames sent up ahead of their launch (runtime/uploads.py); RuntimeConfig refuses it with the prefix
-        # cache, whose keys hash each request's frames on the host.
-        self.uploads: FrameUploads | None = None
         target = choose_target(device) if runtime.runs_fast_path(device.type) else None
         if target is not None:
             self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
@@ -218,8 +214,6 @@ class Runtime:
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
-        elif runtime.upload_frames_ahead:
-            raise ConfigError("upload_frames_ahead runs on the CUDA fast path only")
 
     def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
         from .fast.graphs import FastRunner
@@ -259,8 +253,6 @@ class Runtime:
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
                      self.graph_bytes / 2**30, estimate.engine / 2**30)
 
-        if self.settings.upload_frames_ahead:
-            self.uploads = FrameUploads(self.device)
         self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, pool)
 
     def serve_while_capturing(self, runner, plan: list[GraphKey], num_steps: int, background: bool,
@@ -444,9 +436,7 @@ class Runtime:
                 "graph_bytes": self.graph_bytes,
                 "graphs": {**self._graphs.stats(), "warm_ups_skipped": getattr(runner, "warm_ups_skipped", 0),
                            "memset_nodes": dict(getattr(runner, "memset_nodes", {})) or None},
-                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats(),
-                # requests whose frames went to the device as they were checked (runtime/uploads.py); None: off
-                "frame_uploads": None if self.uploads is None else self.uploads.stats()}
+                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats()}
 
 
 class _GraphProgress:

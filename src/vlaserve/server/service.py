@@ -323,7 +323,7 @@ class Service:
         """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared as a real
         one is, with zero noise (no draw from any generator); returns a result of zeros to encode as its reply."""
         request.noise, request.seed = self._zero_noise, None
-        self.policy.prepare(request, upload=False)
+        self.policy.prepare(request)
         return self._zero_result
 
     def rehearse_generation(self, payload: bytes) -> bool:
