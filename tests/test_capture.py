@@ -29,17 +29,28 @@ from vlaserve.types import ModelInputs
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def test_plan_captures_batch_1_first_then_the_rest_largest_first():
-    plan = capture_plan(tuple(range(1, 9)), (96, 200), 3)
-    one = ["b1 L96 cams3", "b1 L96 denoise", "b1 L96 cams2", "b1 L96 cams1", "b1 L96 rtc",
-           "b1 L200 cams3", "b1 L200 denoise", "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
-    assert [str(k) for k in plan[:10]] == one
-    # then the largest size, longest prompt first (the shared pool's order), down to 2
-    assert [str(k) for k in plan[10:15]] == ["b8 L200 cams3", "b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1",
-                                             "b8 L200 rtc"]
-    later = [(k.batch, -k.length) for k in plan[10:]]
+def test_plan_captures_each_callers_common_call_first_then_the_rest_largest_first():
+    plan = [str(k) for k in capture_plan(tuple(range(1, 9)), (96, 200), 3)]
+    # a lone robot's call (batch 1, default bucket, every camera, no RTC): serving starts on it
+    assert plan[:2] == ["b1 L96 cams3", "b1 L96 denoise"]
+    # then a fleet's (the largest size at the default bucket), behind that size's largest graph, which
+    # sizes the shared pool for every smaller one
+    assert plan[2:5] == ["b8 L200 cams3", "b8 L96 cams3", "b8 L96 denoise"]
+    # then the rest of batch 1, every shape before any other size's
+    assert plan[5:13] == ["b1 L96 cams2", "b1 L96 cams1", "b1 L96 rtc", "b1 L200 cams3", "b1 L200 denoise",
+                          "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
+    # then the other sizes largest first, longest prompt first (the pool's order)
+    assert plan[13:16] == ["b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1"]
+    later = [(int(k.split()[0][1:]), -int(k.split()[1][1:])) for k in plan[13:]]
     assert later == sorted(later, key=lambda t: (-t[0], t[1]))
-    assert [k.batch for k in plan[-5:]] == [2] * 5 and plan[-1].length == 96
+    assert [k.split()[0] for k in plan[-5:]] == ["b2"] * 5 and plan[-1] == "b2 L96 rtc"
+
+
+def test_plan_with_one_prompt_length_lists_the_fleets_prefix_once():
+    plan = [str(k) for k in capture_plan((1, 2, 4), (200,), 2)]
+    assert plan[:4] == ["b1 L200 cams2", "b1 L200 denoise", "b4 L200 cams2", "b4 L200 denoise"]
+    assert len(plan) == len(set(plan)) == 3 * 4  # 3 sizes x (2 layouts + denoise + rtc)
+    assert capture_plan((1,), (96, 200), 3)[:2] == capture_plan((1, 2), (96, 200), 3)[:2]
 
 
 @pytest.mark.parametrize("mode,limit,lengths,cameras", [("all", 8, (96, 200), 3), ("ladder", 8, (200,), 3),
@@ -166,9 +177,10 @@ def batch1_runner(golden_policy):
     config = golden_policy.config
     runner = SlowCaptureRunner(golden_policy)
     plan = capture_plan(tuple(range(1, 9)), (config.max_token_len,), len(config.cameras))
-    for key in plan[:5]:
+    batch_1 = [key for key in plan if key.batch == 1]
+    for key in batch_1:
         runner.capture(key, config.num_inference_steps)
-    assert {k.batch for k in plan[:5]} == {1} and runner.captures == 5
+    assert len(batch_1) == runner.captures == 5
     return runner
 
 
@@ -253,8 +265,9 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
             assert warm_s >= 0 and capture_s > 0
         counts[warmups] = runner.warm_up_runs - len(runner.attention_images)
         assert runner.captures == len(plan) == 20
-        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras)
-        assert runner.attention_images == [3, 2, 1, 6, 4]
+        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras;
+        # the plan's order: batch 1's common call, batch 2's, then batch 1's fewer-camera layouts, batch 2's)
+        assert runner.attention_images == [3, 6, 2, 1, 4]
     # per (batch, length): the prefix once, the Euler steps once without and once with RTC
     assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
     # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)
@@ -411,13 +424,13 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
         time.sleep(0.005)
     assert request.is_alive() and not result  # waiting for its graph
     # Two captures: the one the capture thread may have begun already, and the RTC graph, though
-    # the plan lists two camera layouts before it.
+    # the plan lists four graphs before it (batch 2's common call, batch 1's two other camera layouts).
     gate.release()
     gate.release()
     request.join(5)
     assert result["out"][0].shape == (1, horizon, dim)
     assert str(rtc_key) in runtime.stats()["graphs"]["captured_shapes"][2:4]
-    assert plan.index(rtc_key) == 4 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
+    assert plan.index(rtc_key) == 6 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
     for _ in plan:
         gate.release()
     _capture_thread().join()
