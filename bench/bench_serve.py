@@ -174,6 +174,11 @@ def startup_run(checkpoint: Path, compile_cache: Path, serve_args: list[str], ro
             time.sleep(0.05)
         all_captured = time.perf_counter()
         out["process_to_every_graph_s"] = all_captured - started
+        # The graphs' memory is measured once the plan is done, just after its last capture (run 235 read it
+        # before that, as 0, in both 16-robot starts): wait for "ready" before reading it.
+        while block.get("all_captured_after_s") is None and time.perf_counter() - all_captured < 30:
+            time.sleep(0.05)
+            block = graphs_block(port)
         out["graphs"] = {k: v for k, v in block.items() if not k.endswith("_shapes")}
         out["seconds_per_graph"] = (block["warmup_s"] + block["capture_s"]) / max(block["total"], 1)
         meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
