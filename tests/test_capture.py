@@ -363,8 +363,12 @@ def _serve(policy, background: bool = True, sizes=(1, 2), **runner_options):
     return runtime, runner, plan
 
 
-def _capture_thread() -> threading.Thread:
-    return next(t for t in threading.enumerate() if t.name == "vlaserve-capture")
+def _join_capture_thread(timeout: float = 60) -> None:
+    """Waits for the newest capture thread to end. The newest: a test that failed may leave an older one
+    blocked on its gate (a daemon), which joined without a timeout hung every later test."""
+    thread = [t for t in threading.enumerate() if t.name == "vlaserve-capture"][-1]
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the capture thread still runs after {timeout} s"
 
 
 def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
@@ -393,7 +397,7 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
 
     for _ in range(8):
         gate.release()
-    _capture_thread().join()
+    _join_capture_thread()
     stats = runtime.stats()
     assert stats["state"] == "ready" and stats["graph_captures"] == 10 and stats["graphs"]["pending_shapes"] == []
     assert stats["graphs"]["all_captured_after_s"] >= stats["graphs"]["serving_after_s"]
@@ -433,7 +437,7 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
     assert plan.index(rtc_key) == 6 and runner.uncaptured_calls == 0 and runner.request_path_captures == 0
     for _ in plan:
         gate.release()
-    _capture_thread().join()
+    _join_capture_thread()
     assert runtime.state == "ready"
 
 
@@ -478,14 +482,14 @@ def test_the_interpreter_switches_threads_often_while_graphs_are_captured_and_as
         runner = Watched(golden_policy, turns=runtime.turns, fail_at=fail_at)
         plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
         runtime.serve_while_capturing(runner, plan, golden_policy.config.num_inference_steps, background=True)
-        _capture_thread().join()
+        _join_capture_thread()
         assert seen and set(seen) == {CAPTURE_SWITCH_INTERVAL_S} and sys.getswitchinterval() == before
         seen.clear()
 
 
 def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
     runtime, _, _ = _serve(golden_policy, fail_at="b1 L200 denoise")
-    _capture_thread().join()
+    _join_capture_thread()
     assert runtime.state == "failed" and "injected capture failure" in runtime.stats()["graphs"]["error"]
     inputs, noise = _batch(golden_policy.config, 1)
     with pytest.raises(NotServing, match="failed to warm up"):
@@ -496,7 +500,7 @@ def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
 
 def test_a_failure_after_batch_1_keeps_serving_on_the_captured_graphs(golden_policy):
     runtime, runner, _ = _serve(golden_policy, fail_at="b2 L200 cams3")
-    _capture_thread().join()
+    _join_capture_thread()
     assert runtime.state == "failed" and runtime.serving.is_set()
     inputs, noise = _batch(golden_policy.config, 2)
     assert runtime.launch(inputs, noise, 10, None).wait()[0].shape[0] == 2
@@ -512,7 +516,7 @@ def test_waiting_is_bounded(golden_policy):
         runtime.launch(inputs, noise, 10, None)
     for _ in plan:
         gate.release()
-    _capture_thread().join()
+    _join_capture_thread()
     assert runtime.state == "ready"
 
 
