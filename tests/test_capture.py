@@ -30,7 +30,8 @@ from vlaserve.types import ModelInputs
 
 
 def test_plan_captures_each_callers_common_call_first_then_the_rest_largest_first():
-    plan = [str(k) for k in capture_plan(tuple(range(1, 9)), (96, 200), 3)]
+    keys = capture_plan(tuple(range(1, 9)), (96, 200), 3)
+    plan = [str(k) for k in keys]
     # a lone robot's call (batch 1, default bucket, every camera, no RTC): serving starts on it
     assert plan[:2] == ["b1 L96 cams3", "b1 L96 denoise"]
     # then a fleet's (the largest size at the default bucket), behind that size's largest graph, which
@@ -41,9 +42,9 @@ def test_plan_captures_each_callers_common_call_first_then_the_rest_largest_firs
                           "b1 L200 cams2", "b1 L200 cams1", "b1 L200 rtc"]
     # then the other sizes largest first, longest prompt first (the pool's order)
     assert plan[13:16] == ["b8 L200 denoise", "b8 L200 cams2", "b8 L200 cams1"]
-    later = [(int(k.split()[0][1:]), -int(k.split()[1][1:])) for k in plan[13:]]
+    later = [(k.batch, -k.length) for k in keys[13:]]
     assert later == sorted(later, key=lambda t: (-t[0], t[1]))
-    assert [k.split()[0] for k in plan[-5:]] == ["b2"] * 5 and plan[-1] == "b2 L96 rtc"
+    assert [k.batch for k in keys[-5:]] == [2] * 5 and plan[-1] == "b2 L96 rtc"
 
 
 def test_plan_with_one_prompt_length_lists_the_fleets_prefix_once():
