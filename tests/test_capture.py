@@ -221,21 +221,23 @@ class _EmptyPool:
         return 0
 
 
-def test_precompile_runs_each_signature_once_before_its_warm_up(golden_policy):
-    """FastRunner.precompile's dry runs: one per warm-up signature not warmed up yet (the camera
+def test_recording_kernels_runs_each_signature_once_before_its_warm_up(golden_policy):
+    """FastRunner.record_kernels's dry runs: one per warm-up signature not warmed up yet (the camera
     layouts share the prefix's), none for what a warm-up already ran; the stock kernels here
     are no Triton kernels, so nothing is recorded to compile."""
     runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
     steps = config.num_inference_steps
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
     batch1 = [k for k in plan if k.batch == 1]
-    assert runner.precompile(batch1, steps, _EmptyPool()) == 0
+    pool = _EmptyPool()
+    assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
     assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
     for key in batch1:
         runner.capture(key, steps)
     # the warm-ups still run (now without compiling), and SigLIP's attention at 3, 2 and 1 images
     assert runner.warm_up_runs == 6 + len(config.cameras)
-    assert runner.precompile(batch1, steps, _EmptyPool()) == 0 and runner.warm_up_runs == 6 + len(config.cameras)
+    assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
+    assert runner.warm_up_runs == 6 + len(config.cameras)
 
 
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):

@@ -120,17 +120,35 @@ def test_a_pools_recorder_gives_each_kernel_to_the_workers_as_it_is_recorded(sm9
         with recorder.recording():
             _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)
             _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)  # the same specialization: given once
-            (job,) = pool._submitted.values()
+            (job,) = recorder.jobs.values()
             job.result()  # compiled while the recording goes on
             assert _cache_entries(tmp_path)
             _copy[(1,)](x, y, 64, BLOCK=32, **OPTIONS)
-        assert pool.compile(recorder) == 2 and pool._submitted == {}
+        assert pool.compile(recorder) == 2 and recorder.jobs == {}
         assert 0 < pool.slowest[1] < pool.seconds
     compiled = _cache_entries(tmp_path)
     assert sm90 == []  # nothing compiled in this process
     for block in (16, 32):  # the launches load what the workers compiled: no entry is added
         assert _copy.warmup(x, y, 64, BLOCK=block, grid=(1,), **OPTIONS) is not None
     assert _cache_entries(tmp_path) == compiled and len(sm90) == 2
+
+
+def test_a_kernel_two_recorders_record_compiles_once_and_counts_once(sm90, tmp_path):
+    """A group recorded ahead (the one captured after serving's: Runtime._capture) may record a kernel the
+    group before it is compiling: the workers get it once, and the second compile waits for that job."""
+    x, y = torch.empty(64), torch.empty(64)
+    with CompilePool(1, _Sm90().get_current_target()) as pool:
+        first, second = pool.recorder(), pool.recorder()
+        with first.recording():
+            _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)
+        with second.recording():
+            _copy[(1,)](x, y, 64, BLOCK=16, **OPTIONS)  # not loaded here yet: recorded again
+            _copy[(1,)](x, y, 64, BLOCK=32, **OPTIONS)
+        (shared,) = first.jobs.values()
+        assert len(second.jobs) == 2 and shared in second.jobs.values()
+        assert pool.compile(first) == 1 and shared.done()
+        assert pool.compile(second) == 1  # its own kernel: the shared one was counted by the first
+    assert sm90 == [] and len(_cache_entries(tmp_path)) >= 2
 
 
 def test_workers_gone_while_recording_leave_the_recording_going_and_the_compiles_to_the_warm_ups(sm90, caplog):
@@ -341,14 +359,14 @@ def test_an_empty_cache_is_one_without_a_single_entry(tmp_path):
 
 
 class _Recording:
-    """A runner stand-in that records the order of precompiles and captures."""
+    """A runner stand-in that records the order of kernel recordings and captures."""
 
     def __init__(self):
         self.events = []
 
-    def precompile(self, keys, num_steps, pool):
-        self.events.append(("precompile", tuple(keys), pool))
-        return 7
+    def record_kernels(self, keys, num_steps, pool):
+        self.events.append(("record", tuple(keys), pool))
+        return tuple(keys)
 
     def capture(self, key, num_steps):
         self.events.append(("capture", key))
@@ -356,9 +374,16 @@ class _Recording:
 
 
 class _Pool:
-    """A compile pool stand-in: closed once the plan ends."""
+    """A compile pool stand-in: each compile is an event of the runner's; closed once the plan ends."""
 
     closed, workers, seconds, slowest = False, 3, 0.0, ("_mqa_split", 1.25)
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def compile(self, recorder):
+        self.events.append(("compile", recorder))
+        return 7
 
     def __enter__(self):
         return self
@@ -376,31 +401,37 @@ def test_the_graphs_serving_waits_for_then_each_batch_size_compile_together_befo
     runtime = Runtime(golden_policy.model, golden_policy.config, golden_policy.runtime.settings,
                       torch.device("cpu"), torch.float32, "test")
     plan = capture_plan((1, 2, 4), (48, 96), 2)
-    pool = _Pool() if with_pool else None
+    pool = _Pool(runner.events) if with_pool else None
     with caplog.at_level("INFO", logger="vlaserve.runtime.runner"):
         runtime.serve_while_capturing(runner, plan, 10, background=False, compile_pool=pool)
     captures = [e[1] for e in runner.events if e[0] == "capture"]
     assert captures == plan
-    precompiles = [(i, e) for i, e in enumerate(runner.events) if e[0] == "precompile"]
     if not with_pool:
-        assert precompiles == []
+        assert [e for e in runner.events if e[0] != "capture"] == []
         return
     # first batch 1's common call, its prefix and Euler steps (what serving waits for: the first action waits
-    # for their kernels only), then each batch size's keys, each group right before its first capture
+    # for their kernels only), then each batch size's keys, each group compiled right before its first capture
     serving = (plan[0], plan[1])
     assert plan[0].batch == plan[1].batch == 1 and plan[0].is_prefix and not plan[1].is_prefix
-    assert [e[1] for _, e in precompiles] == [serving, *(tuple(k for k in plan if k.batch == b) for b in (4, 1, 2))]
-    assert precompiles[0][0] == 0 and runner.events[1:3] == [("capture", plan[0]), ("capture", plan[1])]
-    # the largest size's group next (its common call follows serving's), then batch 1's others, then batch 2's:
-    # each right before the first of its keys still to capture
-    for i, e in precompiles[1:]:
-        first_left = next(k for k in e[1] if k not in serving)
-        assert runner.events[i + 1] == ("capture", first_left) and e[2] is pool
+    group = {b: tuple(k for k in plan if k.batch == b) for b in (1, 2, 4)}
+    # the largest size's group (its common call follows serving's) is recorded right after serving's, so its
+    # kernels queue behind serving's and compile while serving's warm up and capture
+    assert runner.events[:5] == [("record", serving, pool), ("record", group[4], pool), ("compile", serving),
+                                 ("capture", plan[0]), ("capture", plan[1])]
+    compiles = [(i, e[1]) for i, e in enumerate(runner.events) if e[0] == "compile"]
+    assert [keys for _, keys in compiles] == [serving, group[4], group[1], group[2]]
+    for i, keys in compiles[1:]:  # each right before the first of its keys still to capture
+        first_left = next(k for k in keys if k not in serving)
+        assert runner.events[i + 1] == ("capture", first_left)
+    records = [e[1] for e in runner.events if e[0] == "record"]
+    assert records == [serving, group[4], group[1], group[2]]  # each group recorded once
+    for keys in (group[1], group[2]):  # the later groups recorded right before their compile
+        assert runner.events.index(("compile", keys)) == runner.events.index(("record", keys, pool)) + 1
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 28 and graphs["compile_ahead_s"] >= 0
-    assert "serving: 7 kernels compiled in 3 worker processes in" in caplog.text
-    assert "batch 1: 7 kernels compiled in 3 worker processes in" in caplog.text
+    assert "serving: 7 kernels compiled in 3 worker processes, recorded in" in caplog.text
+    assert "batch 1: 7 kernels compiled in 3 worker processes, recorded in" in caplog.text
     assert "s from the first recorded, the slowest, _mqa_split, 1.2 s in its worker)" in caplog.text
 
 

@@ -35,7 +35,7 @@ from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
 from .compile_cache import activate, is_empty
 from .device import synchronize
-from .fast.precompile import CompilePool, compile_workers
+from .fast.precompile import CompilePool, KernelRecorder, compile_workers
 from .fast.targets import Target, choose_target
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -261,9 +261,10 @@ class Runtime:
         (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the
         captures run in a thread and this returns at once; else they run here and a failure raises.
-        `compile_pool`: before the first capture of a group of keys, runner.precompile(its keys,
-        num_steps, compile_pool) compiles their kernels together: first the keys serving waits for,
-        then each batch size's (the first size's others); the pool is closed once the plan ends."""
+        `compile_pool`: before the first capture of a group of keys, the pool compiles their kernels together
+        (runner.record_kernels(its keys, num_steps, pool) gives them to it): first the keys serving waits for,
+        with the next group's kernels queued behind theirs, then each batch size's (the first size's
+        others); the pool is closed once the plan ends."""
         self.runner, self.fast_path = runner, True
         self._graphs = _GraphProgress(plan, num_steps)
         self.state = "warming_up"
@@ -276,17 +277,23 @@ class Runtime:
         threading.Thread(target=self._capture, args=args, kwargs={"reraise": False}, name="vlaserve-capture",
                          daemon=True).start()
 
-    def _precompile(self, runner, keys: list[GraphKey], what: str, num_steps: int, pool: CompilePool) -> None:
-        """Compiles the kernels of `keys` together (see serve_while_capturing); `what` names them in the log."""
+    @staticmethod
+    def _record(runner, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> tuple[KernelRecorder, float]:
+        started = time.perf_counter()
+        return runner.record_kernels(keys, num_steps, pool), time.perf_counter() - started
+
+    def _compile(self, recorder: KernelRecorder, recording_s: float, what: str, pool: CompilePool) -> None:
+        """Waits for `recorder`'s kernels to compile (see serve_while_capturing), recorded in `recording_s`;
+        `what` names them in the log."""
         graphs = self._graphs
         started = time.perf_counter()
-        kernels = runner.precompile(keys, num_steps, pool)
-        seconds = time.perf_counter() - started
-        graphs.compiled(kernels, seconds)
+        kernels = pool.compile(recorder)
+        waited = time.perf_counter() - started
+        graphs.compiled(kernels, recording_s + waited)
         # where the seconds went: the calls run to record their kernels, each kernel compiled from its recording on
         slowest = "" if pool.slowest is None else ", the slowest, %s, %.1f s in its worker" % pool.slowest
-        log.info("%s: %d kernels compiled in %d worker processes in %.1f s (%.1f s from the first recorded%s)",
-                 what, kernels, pool.workers, seconds, pool.seconds, slowest)
+        log.info("%s: %d kernels compiled in %d worker processes, recorded in %.1f s, waited for %.1f s (%.1f s "
+                 "from the first recorded%s)", what, kernels, pool.workers, recording_s, waited, pool.seconds, slowest)
 
     def _capture(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs = self._graphs
@@ -295,6 +302,12 @@ class Runtime:
         groups = {"serving": [k for k in graphs.plan if graphs.serves(k)]}
         for k in graphs.plan:
             groups.setdefault(f"batch {k.batch}", []).append(k)
+        # The group captured after serving's (the largest batch size's: a fleet's call) is recorded right after
+        # serving's and its kernels queue behind theirs, so that they compile on the workers serving's leave idle
+        # (the slowest kernel bounds a group) instead of after serving began, while a fleet's batches ran as
+        # batch-1 calls (run 237: 1.6 s on an H100).
+        after_serving = next((f"batch {k.batch}" for k in graphs.plan if not graphs.serves(k)), None)
+        recorders: dict[str, tuple[KernelRecorder, float]] = {}  # by group: its recorder, recorded in seconds
         compiled: set[str] = set()
         try:
             with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
@@ -306,7 +319,12 @@ class Runtime:
                     group = "serving" if graphs.serves(key) else f"batch {key.batch}"
                     if compile_pool is not None and group not in compiled:
                         compiled.add(group)
-                        self._precompile(runner, groups[group], group, num_steps, compile_pool)
+                        if group not in recorders:
+                            recorders[group] = self._record(runner, groups[group], num_steps, compile_pool)
+                        if group == "serving" and after_serving is not None:
+                            recorders[after_serving] = self._record(runner, groups[after_serving], num_steps,
+                                                                    compile_pool)
+                        self._compile(*recorders.pop(group), group, compile_pool)
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
@@ -451,7 +469,7 @@ class _GraphProgress:
         self.serving_after_s: float | None = None
         self.all_captured_after_s: float | None = None
         self.error: str | None = None
-        self.kernels_compiled = 0  # by precompile (a cold compile cache), and the seconds it took
+        self.kernels_compiled = 0  # compiled ahead (a cold compile cache), and the seconds recording and waiting took
         self.compile_s = 0.0
         self._captured: set[GraphKey] = set()
         self._wanted: list[GraphKey] = []

@@ -30,7 +30,7 @@ from .buffers import BufferSpec
 from .memset_nodes import memsets_as_kernels
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
-from .precompile import CompilePool, KernelNotLoaded, loaded_kernels_only
+from .precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
 
 # A warm-up runs the Euler loop for this many steps, not the call's: every step launches the same
 # kernel specializations except the first and the last (Pi0.5's fused action step with and without
@@ -363,14 +363,14 @@ class FastRunner:
                     self._rtc_buffers(b, length, num_steps, self._scratch))
 
     @torch.no_grad()
-    def precompile(self, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> int:
-        """Compiles the Triton kernels the warm-ups of `keys` would compile, in `pool`'s processes,
-        before any of them runs (fast/precompile.py) -> how many kernels. Each call not warmed up
-        yet runs once on scratch buffers with those kernels recorded instead of launched (its
-        other work, cuBLAS's, runs: on scratch, and never read), taking the device as a warm-up does."""
-        if not self.use_graphs:
-            return 0
+    def record_kernels(self, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> KernelRecorder:
+        """Gives `pool`'s processes the Triton kernels the warm-ups of `keys` would compile, before any of
+        them runs (fast/precompile.py) -> the recorder `pool.compile` waits on. Each call not warmed up
+        yet runs once on scratch buffers with those kernels recorded instead of launched (its other
+        work, cuBLAS's, runs: on scratch, and never read), taking the device as a warm-up does."""
         recorder, ran = pool.recorder(), set()  # each kernel to the workers as it is recorded
+        if not self.use_graphs:
+            return recorder
         for key in keys:
             if key.is_prefix and self.fast.layer_stream is not None:
                 continue
@@ -382,7 +382,7 @@ class FastRunner:
                 call = self._warm_up_call(key, num_steps)
                 with recorder.recording():
                     self._warm_up(call, 1)
-        return pool.compile(recorder)
+        return recorder
 
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""

@@ -91,10 +91,13 @@ def hash_triton_ahead() -> threading.Thread:
 class KernelRecorder:
     """Specializations of the kernels launched on this thread that were not compiled yet:
     {specialization data (JSON, Triton's format): (the kernel's module, its name)}. `on_record(data,
-    module, name)`, if given, is called for each one as it is first recorded."""
+    module, name)`, if given, is called for each one as it is first recorded. A pool's recorder
+    (`CompilePool.recorder`) also holds the compile jobs its kernels were given to, and when the first was."""
 
     def __init__(self, on_record=None):
         self.recorded: dict[str, tuple[str, str]] = {}
+        self.jobs: dict[str, Future] = {}
+        self.started: float | None = None
         self._on_record = on_record
 
     @contextlib.contextmanager
@@ -143,8 +146,10 @@ class CompilePool:
         # The last compile: its seconds from the first job submitted to the last done, and its slowest
         # kernel, (its name, seconds in its worker): with many workers the slowest bounds the compile.
         self.seconds, self.slowest = 0.0, None
-        self._submitted: dict[str, Future] = {}  # by recorder(), as recorded: not yet waited for
-        self._started: float | None = None  # when the first of them was submitted
+        # Every job given to the workers, by specialization: one recorded by two recorders compiles once,
+        # and counts once, in the first compile that waits for it.
+        self._jobs: dict[str, Future] = {}
+        self._counted: set[str] = set()
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_start_worker,
                                          initargs=((target.backend, target.arch, target.warp_size),))
@@ -154,27 +159,32 @@ class CompilePool:
     def recorder(self) -> KernelRecorder:
         """A recorder whose kernels go to the workers as they are recorded, so that their compiles
         overlap the rest of the recording (the calls' Python, and the libraries' first work on the
-        device); `compile` then waits for them."""
-        return KernelRecorder(on_record=self._submit)
+        device), and queue behind every kernel recorded before them: `compile` then waits for its own."""
+        recorder = KernelRecorder(on_record=lambda data, module, name: self._submit(recorder, data, module, name))
+        return recorder
 
-    def _submit(self, data: str, module: str, name: str) -> None:
-        if self._started is None:
-            self._started = time.perf_counter()
+    def _submit(self, recorder: KernelRecorder, data: str, module: str, name: str) -> None:
+        if recorder.started is None:
+            recorder.started = time.perf_counter()
         try:
-            self._submitted[data] = self._pool.submit(_compile, module, name, data)
+            recorder.jobs[data] = self._job(data, module, name)
         except BrokenProcessPool:  # compile() submits it again, and says the workers are gone
             pass
+
+    def _job(self, data: str, module: str, name: str) -> Future:
+        if data not in self._jobs:
+            self._jobs[data] = self._pool.submit(_compile, module, name, data)
+        return self._jobs[data]
 
     def compile(self, recorder: KernelRecorder) -> int:
         """Compiles what `recorder` holds (what the workers were given as it was recorded, and the rest),
         in parallel, and waits -> how many compiled (the record is emptied). A kernel that fails here is
         left to its warm-up, which compiles it again and raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
-        started = self._started or time.perf_counter()
-        submitted, self._submitted, self._started = self._submitted, {}, None
+        started = recorder.started or time.perf_counter()
+        submitted, recorder.jobs, recorder.started = recorder.jobs, {}, None
         try:
-            jobs = [submitted.pop(data, None) or self._pool.submit(_compile, module, name, data)
-                    for data, (module, name) in recorded.items()]
+            jobs = [submitted.get(data) or self._job(data, module, name) for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
             return 0
@@ -191,7 +201,9 @@ class CompilePool:
         if unbuilt:
             log.warning("%d kernels' launchers were not built in the worker processes (%s); their first launch "
                         "builds them", len(unbuilt), unbuilt[0])
-        return len(jobs) - len(failed)
+        new = {data for data, e in zip(recorded, errors) if e is None} - self._counted
+        self._counted |= new
+        return len(new)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
