@@ -306,6 +306,39 @@ def overlapped_equals_serial(golden: Path, device: str) -> bool:
     return all(np.array_equal(x.actions, y.actions) for s, o in zip(serial, overlapped) for x, y in zip(s, o))
 
 
+def loaded_while_capturing_equals_loaded_first(golden: Path, device: str) -> dict:
+    """The server's start (`capture_while_loading`: the engine built on parameters not filled yet, the weights
+    loaded into them in place, Policy.from_pretrained) against the weights loaded first, in float32 and bfloat16,
+    every graph captured: the golden cases' actions bit for bit -> {dtype: bit-identical}."""
+    import numpy as np
+
+    from vlaserve.golden import GoldenCase, case_dirs
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        first = Policy.from_pretrained(golden / "checkpoint", device=device, dtype=dtype, progress=False,
+                                       warmup="blocking")
+        early = Policy.from_pretrained(golden / "checkpoint", device=device, dtype=dtype, progress=False,
+                                       warmup="background")
+        assert early.load_timings["captured_while_loading"] and not first.load_timings["captured_while_loading"]
+        deadline = time.perf_counter() + 300
+        while early.runtime.state != "ready" and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        assert early.runtime.state == "ready", early.runtime.state
+        same = True
+        for case_dir in case_dirs(golden):
+            case = GoldenCase.load(case_dir)
+            observations, noise = case.observations(), list(case.tensors["input.noise"])
+            steps = case.meta["num_steps"]
+            a = first.infer_batch(observations, noise=noise, num_steps=steps, rtcs=case.rtcs())
+            b = early.infer_batch(observations, noise=noise, num_steps=steps, rtcs=case.rtcs())
+            same &= all(np.array_equal(x.actions, y.actions) for x, y in zip(a, b))
+        out[dtype] = same
+        del first, early
+        torch.cuda.empty_cache()
+    return out
+
+
 def prompt_buckets_captured(golden: Path, device: str) -> dict:
     """A prompt bucket served from CUDA graphs captured at warm-up (on views of the full-length
     buffers): no capture and no ungraphed call once ready, and the actions of the full-length prompt
@@ -338,6 +371,7 @@ def golden_suite(device: str) -> dict:
         out[f"{family}_golden"] = {
             "cases": golden_check(golden, device), "prefix_cache_hit_equals_miss": cache_hit_equals_miss(golden, device),
             "overlapped_equals_serial": overlapped_equals_serial(golden, device),
+            "loaded_while_capturing_equals_loaded_first": loaded_while_capturing_equals_loaded_first(golden, device),
             "prompt_buckets": prompt_buckets_captured(golden, device)}
         log(family, out[f"{family}_golden"])
     return out

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from fixtures import fixture_dir
+from vlaserve import Policy
 from vlaserve.config import RuntimeConfig, graph_batch_sizes
 from vlaserve.errors import ConfigError, NotServing
 from vlaserve.model.rtc import RTCGuidance
@@ -154,6 +156,13 @@ class SlowCaptureRunner(FastRunner):
         else:
             time.sleep(0.001)
         return super().capture(key, num_steps)
+
+
+class _HostTimedRunner(FastRunner):
+    """The real FastRunner on the CPU's stock kernels, its stage events timed on the host."""
+
+    def _events(self):
+        return _HostEvent(), _HostEvent(), _HostEvent()
 
 
 def _batch(config, b: int, seed: int = 0):
@@ -355,14 +364,15 @@ def test_on_a_gpu_another_thread_launches_queries_and_waits_while_a_graph_record
 # --- Runtime: the states, and requests that arrive before batch 1 is captured ------------------
 
 
-def _serve(policy, background: bool = True, sizes=(1, 2), **runner_options):
+def _serve(policy, background: bool = True, sizes=(1, 2), weights_pending: bool = False, **runner_options):
     """A fresh Runtime serving a SlowCaptureRunner while it captures the plan of `sizes`."""
     config = policy.config
     runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
                       torch.float32, "test")
     runner = SlowCaptureRunner(policy, turns=runtime.turns, **runner_options)  # as Runtime builds it
     plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
-    runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background)
+    runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background,
+                                  weights_pending=weights_pending)
     return runtime, runner, plan
 
 
@@ -442,6 +452,72 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
         gate.release()
     _join_capture_thread()
     assert runtime.state == "ready"
+
+
+def _counting_refreshes(runner) -> list:
+    calls = []
+    refresh = runner.refresh_weights
+    runner.refresh_weights = lambda: (calls.append(time.perf_counter()), refresh())[1]
+    return calls
+
+
+def _wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_graphs_captured_while_the_weights_load_serve_once_they_are_loaded(golden_policy):
+    """Runtime(weights_pending=True), as Policy.from_pretrained starts it with capture_while_loading: the plan is
+    captured while the weights load; a request waits until `weights_loaded()`, which first computes again what
+    the runner derived from the weights, and serving starts then, batch 1's graphs being captured already."""
+    config, gate = golden_policy.config, threading.Semaphore(0)
+    runtime, runner, plan = _serve(golden_policy, gate=gate, weights_pending=True)
+    refreshes = _counting_refreshes(runner)
+    for _ in range(2):  # batch 1's common call: what serving waits for
+        gate.release()
+    assert _wait_for(lambda: runtime.stats()["graphs"]["captured"] == 2)
+    inputs, noise = _batch(config, 1, seed=4)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, None).wait()))
+    request.start()
+    request.join(0.3)
+    assert request.is_alive() and not runtime.serving.is_set() and runtime.state == "warming_up"
+    assert runtime.stats()["graphs"]["serving_after_s"] is None
+    runtime.weights_loaded()
+    assert len(refreshes) == 1 and runtime.serving.is_set() and runtime.state == "capturing"
+    request.join(5)
+    expected, _ = runner.launch(inputs, noise, 10)
+    assert torch.equal(torch.from_numpy(result["out"][0]), expected.float())
+    for _ in plan:
+        gate.release()
+    _join_capture_thread()
+    assert runtime.state == "ready" and len(refreshes) == 1 and runner.request_path_captures == 0
+
+
+def test_a_plan_captured_before_the_weights_arrive_ends_with_them(golden_policy):
+    """Every graph captured and the weights still loading: not serving, not "ready", until they are loaded."""
+    runtime, runner, plan = _serve(golden_policy, weights_pending=True)
+    assert _wait_for(lambda: runtime.stats()["graphs"]["pending"] == 0)
+    thread = [t for t in threading.enumerate() if t.name == "vlaserve-capture"][-1]
+    thread.join(0.2)
+    assert thread.is_alive() and runtime.state == "warming_up" and not runtime.serving.is_set()
+    runtime.weights_loaded()
+    _join_capture_thread()
+    assert runtime.state == "ready" and runtime.serving.is_set() and runtime.stats()["graph_captures"] == len(plan)
+
+
+def test_weights_pending_needs_the_background_warm_up_and_the_fast_path(golden_policy):
+    runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
+                      torch.device("cpu"), torch.float32, "test")
+    runner = SlowCaptureRunner(golden_policy, turns=runtime.turns)
+    plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
+    with pytest.raises(ValueError, match="background"):
+        runtime.serve_while_capturing(runner, plan, 10, background=False, weights_pending=True)
+    with pytest.raises(ValueError, match="fast path"):  # a CPU device has no CUDA fast path
+        Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
+                torch.device("cpu"), torch.float32, "test", weights_pending=True)
 
 
 def test_a_dropped_runtime_is_freed_at_once(golden_policy):
@@ -558,3 +634,64 @@ def test_a_call_launched_behind_a_running_one_reports_the_device_gap_between_the
     second = EventTimes(StampedEvent(24.5), StampedEvent(30.0), StampedEvent(36.0), previous=StampedEvent(24.0))
     assert PartTimes([behind, second]).read() == {"prefix_ms": 12.5, "denoise_ms": 13.5, "launch_gap_ms": 0.75}
     assert "launch_gap_ms" not in PartTimes([alone, second]).read()
+
+
+
+@pytest.mark.parametrize("fixture", ["pi05_golden", "pi0_golden"])
+def test_a_fast_model_built_before_its_weights_load_computes_what_one_built_after_does(fixture):
+    """capture_while_loading's order (Policy.from_pretrained): the parameters materialized, the fast model built
+    on them (its fused matrices become their storage, its folded norms and step schedules are computed from
+    placeholder values), the weights loaded in place, then `refresh_weights`: the same actions, bit for bit, as
+    the fast model of a policy loaded first. Without the refresh they differ (what the test would catch)."""
+    import numpy as np
+
+    from vlaserve.checkpoint.weights import load_weights, materialize
+    from vlaserve.family import family_of
+
+    checkpoint = fixture_dir(fixture) / "checkpoint"
+    reference = Policy.from_pretrained(checkpoint, device="cpu", dtype="float32", progress=False)
+    config, family = reference.config, family_of(reference.config)
+    rng = np.random.default_rng(0)
+    side = config.image_resolution[0]
+    request = reference.request({"images": {c: rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+                                            for c in config.cameras},
+                                 "state": rng.standard_normal(config.state_dim).astype(np.float32),
+                                 "task": "pick up the cube"}, seed=0)
+    inputs, noise, _ = reference.preprocessor.collate([request])
+    steps = config.num_inference_steps
+
+    def built_before_the_load(refresh: bool) -> torch.Tensor:
+        model = materialize(family.build_model(config).eval(), torch.float32, torch.device("cpu"), family.weights)
+        for p in model.parameters():
+            p.data.fill_(0.25)  # what the derived tensors are first computed from
+        runner = _HostTimedRunner(model, config, use_graphs=False, use_triton=False)
+        runner.fast.schedule(steps)  # made by a warm-up, before the load
+        q = model.vlm.layers[0].self_attn.q_proj.weight
+        fused = runner.fast.w.vlm[0].qkv
+        load_weights(model, checkpoint, torch.float32, torch.device("cpu"), progress=False, layout=family.weights)
+        assert q.data_ptr() == fused.data_ptr() and torch.equal(fused[:q.shape[0]], q)  # loaded where it was fused
+        assert not torch.equal(q, torch.full_like(q, 0.25))
+        if refresh:
+            runner.refresh_weights()
+        return runner.launch(inputs, noise, steps)[0]
+
+    expected = _HostTimedRunner(reference.model, config, use_graphs=False, use_triton=False).launch(
+        inputs, noise, steps)[0]
+    assert torch.equal(built_before_the_load(refresh=True), expected)
+    assert not torch.equal(built_before_the_load(refresh=False), expected)
+
+
+
+def test_a_load_that_fails_stops_the_captures_and_serves_nothing(golden_policy):
+    config, gate = golden_policy.config, threading.Semaphore(0)
+    runtime, runner, plan = _serve(golden_policy, gate=gate, weights_pending=True)
+    gate.release()
+    assert _wait_for(lambda: runtime.stats()["graphs"]["captured"] == 1)
+    runtime.weights_failed(OSError("disk gone"))
+    for _ in plan:
+        gate.release()
+    _join_capture_thread()
+    assert runtime.state == "failed" and not runtime.serving.is_set() and runner.captures < len(plan)
+    inputs, noise = _batch(config, 1)
+    with pytest.raises(NotServing, match="the weights did not load: OSError: disk gone"):
+        runtime.launch(inputs, noise, 10, None)

@@ -114,3 +114,51 @@ def test_staged_copy_moves_every_byte_and_casts_as_a_direct_move(golden, dtype):
     copy.finish()
     direct = StagedCopy(torch.device("cpu"))
     assert not direct.staged and direct(tensors["odd"], torch.float32) is tensors["odd"]  # no copy on the CPU
+
+
+def test_materialized_parameters_are_filled_in_place_as_a_meta_model_is_filled(golden):
+    """Both ways of loading give the same tensors bit for bit, the cast of a float32 checkpoint to bfloat16
+    included; in place, each parameter keeps its storage."""
+    from vlaserve.checkpoint.weights import load_weights, materialize
+    from vlaserve.family import family_of
+
+    reference = Policy.from_pretrained(golden / "checkpoint", device="cpu", dtype="bfloat16", progress=False)
+    family = family_of(reference.config)
+    model = materialize(family.build_model(reference.config), torch.bfloat16, torch.device("cpu"), family.weights)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    load_weights(model, golden / "checkpoint", torch.bfloat16, torch.device("cpu"), progress=False,
+                 layout=family.weights)
+    expected = dict(reference.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == before[name], name
+        assert p.dtype == expected[name].dtype and torch.equal(p, expected[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_copy_into_a_tensor_writes_only_its_bytes(golden, dtype):
+    """The in-place path of the CUDA loader (a fused matrix's row slice as the destination), on the CPU with
+    4 KiB chunks: the slice gets what `.to(dtype)` gives, bit for bit, the rows around it stay as they were."""
+    from vlaserve.checkpoint.weights import StagedCopy
+
+    tensor = torch.randn(37, 129)  # float32, as checkpoints store some; 18.6 KiB: several chunks
+    fused = torch.full((100, 129), 7.0, dtype=dtype)
+    copy = StagedCopy(torch.device("cpu"), chunk_bytes=4096, staged=True)
+    out = copy(tensor, dtype, into=fused[20:57])
+    copy.finish()
+    assert out.data_ptr() == fused[20:57].data_ptr()
+    assert torch.equal(fused[20:57], tensor.to(dtype))
+    assert bool((fused[:20] == 7).all()) and bool((fused[57:] == 7).all())
+
+
+def test_the_engine_starts_before_the_weights_only_where_nothing_changes_them_after_the_load():
+    """capture_while_loading (on by default) applies on CUDA's fast path with the background warm-up, where no
+    fp8 conversion follows the load and no layer stays on the host; `--no-capture-while-loading` turns it off."""
+    from vlaserve.config import RuntimeConfig
+    from vlaserve.options import serve_options
+
+    assert RuntimeConfig().captures_while_loading("cuda")
+    assert not RuntimeConfig().captures_while_loading("cpu")
+    for off in ({"warmup": "blocking"}, {"precision": "fp8"}, {"memory_profile": "offload"}, {"fast_path": False},
+                {"capture_while_loading": False}):
+        assert not RuntimeConfig(**off).captures_while_loading("cuda"), off
+    assert serve_options({"checkpoint": "x", "capture_while_loading": False})["runtime"].capture_while_loading is False

@@ -260,9 +260,11 @@ def log_startup(policy, options: dict) -> None:
              m["memory_profile"], counts)
     t = policy.load_timings
     rate = "" if t["weights_gb_per_s"] is None else f" at {t['weights_gb_per_s']:.2f} GB/s"
-    log.info("loaded in %.2f s: config %.2f s, device %.2f s, weights %.2f s (%.2f GB%s, %s), engine %.2f s",
-             t["total_s"], t["config_s"], t["device_s"], t["weights_s"], t["weight_bytes"] / 1e9, rate,
-             t["weights_loader"], t["engine_s"])
+    weights = f"weights {t['weights_s']:.2f} s ({t['weight_bytes'] / 1e9:.2f} GB{rate}, {t['weights_loader']})"
+    engine = f"engine {t['engine_s']:.2f} s"
+    # the engine first where its CUDA graphs are captured while the weights load
+    stages = f"{engine}, {weights}: CUDA graphs captured meanwhile" if t["captured_while_loading"] else f"{weights}, {engine}"
+    log.info("loaded in %.2f s: config %.2f s, device %.2f s, %s", t["total_s"], t["config_s"], t["device_s"], stages)
     log.info("cameras %s, state dim %d, actions %d x %d, %d denoising steps", ", ".join(m["cameras"]),
              m["state_dim"], m["action_horizon"], m["action_dim"], m["num_inference_steps"])
     log.info("serving at http://%s:%d (docs: /docs; OpenPI websocket: ws://%s:%d/openpi/policy)%s%s",

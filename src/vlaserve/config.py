@@ -179,6 +179,9 @@ class RuntimeConfig:
     attention_library: str = _option("triton", "LIBRARY", "CUDA: the prefix's attention through triton (ours), or fa4 "
                                                            "(FlashAttention-4, CuTe DSL; faster from batch 1, most at 8; "
                                                            "Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
+    capture_while_loading: bool = _option(True, None, "compile and capture batch 1's first CUDA graphs while the "
+                                          "weights load (CUDA, background warm-up, bf16 precision: the engine starts "
+                                          "on parameters not filled yet; serving waits for both)")
     compile_cache: str | None = _option(None, "DIR", "CUDA: keep compiled kernels here between starts, in a "
                                                      "subdirectory per GPU and CUDA, torch, Triton and vlaserve "
                                                      "version (default: $TRITON_CACHE_DIR if set, else "
@@ -271,6 +274,13 @@ class RuntimeConfig:
             return self.prompt_buckets
         half = max_token_len // 2 // 16 * 16
         return (half,) if self.runs_fast_path(device_type) and 16 <= half < max_token_len else ()
+
+    def captures_while_loading(self, device_type: str) -> bool:
+        """Whether the engine starts before the weights load (`capture_while_loading`): where nothing between the
+        load and the engine changes the weights (no fp8 conversion, no layers kept on the host) and the graphs
+        are captured in the background, so serving can wait for the weights."""
+        return (self.capture_while_loading and self.runs_fast_path(device_type) and self.warmup == "background"
+                and self.precision == "bf16" and not self.profile.offload)
 
     def runs_fast_path(self, device_type: str) -> bool:
         """Whether the CUDA fast path (fused weights, Triton kernels, CUDA graphs) serves on this

@@ -51,8 +51,8 @@ def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
     out = {}
     for f in RuntimeConfig.options():
         default = f.default
-        # Counts are integers on the command line; the rest are text (prompt buckets "48,96").
-        kind = int if isinstance(default, int) else str
+        # Switches are flags; counts are integers on the command line; the rest are text (prompt buckets "48,96").
+        kind = bool if isinstance(default, bool) else int if isinstance(default, int) else str
         out[f.name] = (kind, ",".join(map(str, default)) if isinstance(default, tuple) else default,
                        f.metadata["metavar"], f.metadata["help"])
     return out

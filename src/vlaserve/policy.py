@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint.files import checkpoint_files
-from .checkpoint.weights import load_weights, parameter_counts
+from .checkpoint.weights import check_weights, load_weights, materialize, parameter_counts
 from .config import PolicyConfig, RuntimeConfig
 from .demo import DEMO_IDS, find_checkpoint
 from .errors import InvalidRequest
@@ -21,7 +21,7 @@ from .processing.layouts import KeyLayout
 from .processing.pipeline import ProcessorPipeline
 from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
-from .runtime.device import resolve_device, resolve_dtype, synchronize
+from .runtime.device import finish_queued, resolve_device, resolve_dtype
 from .runtime.fast.precompile import hash_triton_ahead
 from .runtime.memory import check_before_loading
 from .runtime.runner import Runtime
@@ -77,16 +77,39 @@ class Policy:
             hash_triton_ahead()  # while the weights load: off the first warm-up's path
         # Offload loads to the host: the streamed layers never touch the device as a whole.
         load_device = resolve_device("cpu") if settings.profile.offload else device
-        model = load_weights(family.build_model(config), directory, dtype, load_device, progress=progress,
-                             loader=settings.weights_loader, layout=family.weights).eval()
-        synchronize(load_device)
-        mark("weights_s")
+        model, revision = family.build_model(config).eval(), _checkpoint_revision(directory)
         layout = KeyLayout(config.cameras, rename_map=pipeline.rename_map)
-        precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
-        mark("precision_s")
-        runtime = Runtime(model, config, settings, device, dtype, _checkpoint_revision(directory),
-                          progress=progress)
-        mark("engine_s")
+
+        # Names and shapes checked against the checkpoint's headers before anything is allocated, compiled or read.
+        sources = check_weights(model, directory, family.weights)
+
+        def load() -> None:
+            load_weights(model, directory, dtype, load_device, progress=progress, loader=settings.weights_loader,
+                         layout=family.weights, sources=sources)
+            finish_queued(load_device)  # the copies' casts, queued behind the copy stream (graphs may be recording)
+            mark("weights_s")
+
+        early = Runtime.captures_while_loading(settings, device)
+        if early:
+            # The engine first, on parameters not loaded yet: the graphs serving waits for are compiled and captured
+            # while the weights arrive (the graphs read them where they land), and serving waits for them.
+            runtime = Runtime(materialize(model, dtype, device, family.weights), config, settings, device, dtype,
+                              revision, progress=progress, weights_pending=True)
+            mark("engine_s")
+            try:
+                load()
+            except BaseException as e:
+                runtime.weights_failed(e)  # its capture thread stops
+                raise
+            runtime.weights_loaded()
+            precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+            mark("precision_s")
+        else:
+            load()
+            precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
+            mark("precision_s")
+            runtime = Runtime(model, config, settings, device, dtype, revision, progress=progress)
+            mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload), safetensors maps the files without reading them; the reading
         # happens while the layers are packed into pinned memory, in engine_s: no throughput to report.
@@ -95,6 +118,7 @@ class Policy:
         hub = not Path(path_or_id).expanduser().is_dir() and str(path_or_id) not in DEMO_IDS
         name = str(path_or_id) if hub else directory.name
         timings = {**stages, "total_s": time.perf_counter() - started, "weights_loader": settings.weights_loader,
+                   "captured_while_loading": early,
                    "weight_bytes": weight_bytes, "weights_gb_per_s": rate}
         return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings, precision)
 

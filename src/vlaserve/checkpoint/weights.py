@@ -246,11 +246,13 @@ class StagedCopy:
         self._done: list = [None, None]  # per buffer: the event of its last copy to the device
         self._turn = 0
 
-    def __call__(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`tensor` (host) on the device in `dtype`."""
+    def __call__(self, tensor: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
+        """`tensor` (host) on the device in `dtype`; `into`: written into that device tensor (of `tensor`'s
+        shape and `dtype`), which is returned."""
         if not self.staged:
-            return tensor.to(device=self.device, dtype=dtype)
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            return tensor.to(device=self.device, dtype=dtype) if into is None else into.copy_(tensor)
+        direct = into is not None and into.dtype == tensor.dtype and into.is_contiguous()
+        out = into if direct else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
         src, dst = _bytes(tensor.contiguous()), _bytes(out)
         for start in range(0, src.numel(), self.chunk_bytes):
             n = min(self.chunk_bytes, src.numel() - start)
@@ -268,6 +270,8 @@ class StagedCopy:
             self._turn ^= 1
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)  # the cast, and every later use
+        if into is not None:
+            return out if direct else into.copy_(out)  # (a copy across dtypes rounds as .to does: the same bits)
         return out if out.dtype == dtype else out.to(dtype)
 
     def finish(self) -> None:
@@ -306,29 +310,49 @@ def check_weights(model: nn.Module, checkpoint_dir: Path,
     return sources
 
 
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
+    """Gives `model` (built on the meta device) uninitialized parameters on `device` in the dtype policy's
+    dtypes, for `load_weights` to fill in place: what runs on their storage before the load (a CUDA graph
+    captured while the weights load: Policy.from_pretrained) reads the weights once they are there."""
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            module._parameters[name] = nn.Parameter(
+                torch.empty(p.shape, dtype=layout.param_dtype(full, dtype), device=device),
+                requires_grad=p.requires_grad)
+    return model
+
+
 def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
-                 progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT) -> nn.Module:
-    """Fills `model` (built on the meta device) from safetensors, strictly.
+                 progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT,
+                 sources: dict[str, tuple[Path, str]] | None = None) -> nn.Module:
+    """Fills `model` from safetensors, strictly: built on the meta device, its parameters become the loaded
+    tensors; materialized (`materialize`, on `device`), each is written in place, its storage kept.
 
     Every name and shape is checked against the headers (`check_weights`) before any data is read. Tensors then
     arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are moved
     through pinned staging buffers (`StagedCopy`) and cast on the device, so no full-precision copy
-    of the model ever sits in host memory.
+    of the model ever sits in host memory. `sources`: `check_weights`'s answer, where the caller checked already.
     """
-    sources = check_weights(model, checkpoint_dir, layout)
+    if sources is None:
+        sources = check_weights(model, checkpoint_dir, layout)
     by_file: dict[Path, list[str]] = {}
     ours_of: dict[str, str] = {}
     for ours, (path, key) in sources.items():
         by_file.setdefault(path, []).append(key)
         ours_of[key] = ours
     read = {"safetensors": _read_safetensors, "runai-streamer": _read_runai}[check_weight_loader(loader)]
+    params = dict(model.named_parameters())
+    in_place = not any(p.is_meta for p in params.values())
     loaded: dict[str, torch.Tensor] = {}
     copy = StagedCopy(torch.device(device))
     with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for key, tensor in read(by_file):
             ours = ours_of[key]
-            loaded[ours] = copy(tensor, layout.param_dtype(ours, dtype))
+            loaded[ours] = copy(tensor, layout.param_dtype(ours, dtype), into=params[ours].data if in_place else None)
             bar.update()
     copy.finish()
-    model.load_state_dict(loaded, strict=True, assign=True)
+    if not in_place:
+        model.load_state_dict(loaded, strict=True, assign=True)
     return model

@@ -30,3 +30,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def finish_queued(device: torch.device) -> None:
+    """Waits for the work this thread queued on `device` (its current stream, and what that stream waits for).
+    Unlike `synchronize`, safe while another thread records a CUDA graph (the device-wide wait is not)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

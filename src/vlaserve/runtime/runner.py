@@ -34,9 +34,9 @@ from ..processing.prepare import to_device
 from ..types import ModelInputs
 from .capture import GraphKey, capture_plan
 from .compile_cache import activate, is_empty
-from .device import synchronize
+from .device import finish_queued, synchronize
 from .fast.precompile import CompilePool, KernelRecorder, compile_workers
-from .fast.targets import Target, choose_target
+from .fast.targets import Target, choose_target, target_for
 from .memory import estimate_memory
 from .prefix_cache import PrefixCache, PrefixEntry
 from .turns import DeviceTurns
@@ -182,9 +182,14 @@ class Runtime:
     SERVING_WAIT_S = 120.0
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, runtime: RuntimeConfig, device: torch.device,
-                 dtype: torch.dtype, revision: str, progress: bool = False):
+                 dtype: torch.dtype, revision: str, progress: bool = False, weights_pending: bool = False):
+        """`weights_pending`: the model's parameters are on the device but not loaded yet (checkpoint.weights.
+        materialize); its graphs are compiled and captured meanwhile, and serving waits for `weights_loaded()`."""
         self.model, self.config, self.settings, self.device, self.dtype = model, config, runtime, device, dtype
         self.progress = progress  # a progress bar on stderr while graphs are captured
+        self._weights = threading.Event()  # set once the weights are loaded
+        self._weights.set()
+        self._serving_lock = threading.Lock()  # serving starts once: from the capture thread or the load's end
         # Launches hold the turns' lock; a warm-up before a graph's capture takes it when runtime/turns.py says.
         self.turns = DeviceTurns()
         self.offload = None
@@ -208,14 +213,23 @@ class Runtime:
                      runtime.prefix_cache)
         self.prefix_cache = None if not entries else PrefixCache(entries, f"{revision}|{dtype}|{device}")
         target = choose_target(device) if runtime.runs_fast_path(device.type) else None
+        if weights_pending and target is None:
+            raise ValueError("weights_pending needs the CUDA fast path")
         if target is not None:
-            self._start_fast_path(model, target, background=runtime.warmup == "background")  # both families
+            self._start_fast_path(model, target, runtime.warmup == "background", weights_pending)  # both families
         elif runtime.gemm_library != "cublas":
             raise ConfigError(f"gemm_library {runtime.gemm_library!r} runs on the CUDA fast path only")
         elif runtime.attention_library != "triton":
             raise ConfigError(f"attention_library {runtime.attention_library!r} runs on the CUDA fast path only")
 
-    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool) -> None:
+    @staticmethod
+    def captures_while_loading(settings: RuntimeConfig, device: torch.device) -> bool:
+        """Whether a Runtime for `settings` on `device` may start before its weights load (weights_pending): as
+        RuntimeConfig.captures_while_loading says, on a GPU the fast path serves (sm80 and newer)."""
+        return (settings.captures_while_loading(device.type)
+                and target_for(torch.cuda.get_device_capability(device)) is not None)
+
+    def _start_fast_path(self, model: Pi05Model, target: Target, background: bool, weights_pending: bool) -> None:
         from .fast.graphs import FastRunner
         from .fast.launch_tables import use_launch_table
 
@@ -253,10 +267,12 @@ class Runtime:
                      ",".join(map(str, self.settings.graph_sizes)), ",".join(map(str, lengths)),
                      self.graph_bytes / 2**30, estimate.engine / 2**30)
 
-        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, pool)
+        self.serve_while_capturing(fast, plan, self.config.num_inference_steps, background, measure, pool,
+                                   weights_pending)
 
     def serve_while_capturing(self, runner, plan: list[GraphKey], num_steps: int, background: bool,
-                              finish=lambda: None, compile_pool: CompilePool | None = None) -> None:
+                              finish=lambda: None, compile_pool: CompilePool | None = None,
+                              weights_pending: bool = False) -> None:
         """Serves with `runner` from the plan's first batch size on: captures the plan (runner.capture
         (key, num_steps) -> seconds of warm-up and of capture), sets `serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the
@@ -264,12 +280,17 @@ class Runtime:
         `compile_pool`: before the first capture of a group of keys, the pool compiles their kernels together
         (runner.record_kernels(its keys, num_steps, pool) gives them to it): first the keys serving waits for,
         with the next group's kernels queued behind theirs, then each batch size's (the first size's
-        others); the pool is closed once the plan ends."""
+        others); the pool is closed once the plan ends. `weights_pending` (background only): the plan is
+        compiled and captured meanwhile; serving and "ready" wait for `weights_loaded()`."""
+        if weights_pending and not background:
+            raise ValueError("a plan captured before the weights are loaded runs in the background")
         self.runner, self.fast_path = runner, True
         self._graphs = _GraphProgress(plan, num_steps)
         self.state = "warming_up"
         self.serving.clear()
         self._settled.clear()
+        if weights_pending:
+            self._weights.clear()
         args = (runner, num_steps, finish, compile_pool)
         if not background:
             self._capture(*args, reraise=True)
@@ -312,9 +333,8 @@ class Runtime:
         try:
             with tqdm(total=len(graphs.plan), desc="capturing CUDA graphs", unit="graph",
                       disable=not self.progress) as bar, compile_pool or contextlib.nullcontext(), _switching_often():
-                if graphs.can_serve():
-                    self._start_serving()
-                while graphs.next_key() is not None:
+                self._start_serving_if_ready()
+                while graphs.error is None and graphs.next_key() is not None:
                     key = graphs.next_key()  # chosen at the last moment: a call may have asked for one
                     group = "serving" if graphs.serves(key) else f"batch {key.batch}"
                     if compile_pool is not None and group not in compiled:
@@ -328,8 +348,11 @@ class Runtime:
                     bar.set_postfix_str(str(key), refresh=False)
                     graphs.captured(key, *runner.capture(key, num_steps))
                     bar.update()
-                    if not self.serving.is_set() and graphs.can_serve():
-                        self._start_serving()
+                    self._start_serving_if_ready()
+                self._weights.wait()  # every graph captured before the weights arrived: the plan ends with them
+                if graphs.error is not None:  # the load failed (weights_failed)
+                    return
+                self._start_serving_if_ready()
             finish()
         except Exception as e:
             graphs.failed(f"{type(e).__name__}: {e}")
@@ -349,6 +372,30 @@ class Runtime:
                  "%d warm-ups skipped: their kernels were loaded)", graphs.all_captured_after_s, graphs.warmup_s,
                  graphs.capture_s, f", {edited['edit_s']:.1f} s of it making {edited['replaced']} memset nodes "
                  f"fill kernels" if edited and edited["enabled"] else "", getattr(runner, "warm_ups_skipped", 0))
+
+    def weights_loaded(self) -> None:
+        """The weights are in place (Runtime(weights_pending=True)): what the runner derived from them before
+        is computed again, the device finishes every write, and serving starts if its graphs are captured."""
+        refresh = getattr(self.runner, "refresh_weights", None)
+        if refresh is not None:
+            refresh()
+        finish_queued(self.device)  # (graphs may be recording on another thread: no device-wide wait)
+        self._weights.set()
+        self._start_serving_if_ready()
+
+    def weights_failed(self, error: BaseException) -> None:
+        """The load of a Runtime(weights_pending=True) failed: the captures stop, nothing is served, and
+        requests get NotServing naming the error."""
+        self._graphs.failed(f"the weights did not load: {type(error).__name__}: {error}")
+        self.state = "failed"
+        self._settled.set()
+        self._weights.set()  # (a capture thread waiting for them ends)
+
+    def _start_serving_if_ready(self) -> None:
+        with self._serving_lock:
+            if (not self.serving.is_set() and self.state == "warming_up" and self._weights.is_set()
+                    and self._graphs.can_serve()):
+                self._start_serving()
 
     def _start_serving(self) -> None:
         graphs = self._graphs

@@ -384,6 +384,11 @@ class FastRunner:
                     self._warm_up(call, 1)
         return recorder
 
+    def refresh_weights(self) -> None:
+        """What the fast model derived from the weights, computed again now that they are loaded (Runtime.
+        weights_loaded): the graphs captured before read the same tensors."""
+        self.fast.refresh_weights()
+
     def release_scratch(self) -> None:
         """Frees the warm-up buffers (once the plan is done)."""
         self._scratch, self._scratch_batch = {}, 0

@@ -10,6 +10,7 @@ Every method is CUDA-graph safe (graphs.py captures them), except the prefix whe
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class FastPi05:
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
+        self._schedules_lock = threading.Lock()  # the capture thread makes schedules; refresh_weights rewrites them
         self.quack = gemm_library == "quack"
         if self.quack:
             # The offload profile's prefix waits on its weights' copies, not on its GEMMs.
@@ -113,9 +115,25 @@ class FastPi05:
         return self.model.action_in_proj.weight.device
 
     def schedule(self, num_steps: int) -> TimeSchedule:
-        if num_steps not in self._schedules:
-            self._schedules[num_steps] = TimeSchedule(self.model, num_steps, self.device)
-        return self._schedules[num_steps]
+        with self._schedules_lock:
+            if num_steps not in self._schedules:
+                self._schedules[num_steps] = self._new_schedule(num_steps)
+            return self._schedules[num_steps]
+
+    def _new_schedule(self, num_steps: int) -> TimeSchedule:
+        return TimeSchedule(self.model, num_steps, self.device)
+
+    def refresh_weights(self) -> None:
+        """Computes again, in place, what was derived from the weights (the norms' folded weights, each step
+        schedule): for weights written into the parameters after this was built (checkpoint.weights.materialize),
+        with graphs already reading these tensors."""
+        self.w.refresh()
+        with self._schedules_lock, torch.no_grad():
+            for num_steps, schedule in self._schedules.items():
+                fresh = self._new_schedule(num_steps)
+                for name, value in vars(schedule).items():
+                    if isinstance(value, torch.Tensor):
+                        value.copy_(getattr(fresh, name))
 
     # ---- prefix ---------------------------------------------------------------------------
     def _enter(self, stack: str, i: int) -> None:

@@ -39,10 +39,8 @@ class PlainSchedule:
 class FastPi0(FastPi05):
     FUSED_ACTION_IO = False  # Pi0 embeds actions through its action-time MLP (velocity below)
 
-    def schedule(self, num_steps: int) -> PlainSchedule:
-        if num_steps not in self._schedules:
-            self._schedules[num_steps] = PlainSchedule(self.model, num_steps, self.model.action_in_proj.weight.device)
-        return self._schedules[num_steps]
+    def _new_schedule(self, num_steps: int) -> PlainSchedule:
+        return PlainSchedule(self.model, num_steps, self.model.action_in_proj.weight.device)
 
     def state_token(self, state: torch.Tensor, pad: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
         """Writes the state token's per-layer K/V into cache row P (P = prefix length); returns the

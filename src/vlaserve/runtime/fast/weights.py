@@ -93,6 +93,8 @@ class FusedWeights:
         return model._fused_weights
 
     def __init__(self, model: Pi05Model, views_only: bool = False):
+        self._model = model
+
         def layer(lyr, ada: bool) -> LayerWeights:
             a, m = lyr.self_attn, lyr.mlp
             return LayerWeights(
@@ -110,3 +112,10 @@ class FusedWeights:
             self.vision_qkv.append((weight_of(a.q_proj, a.k_proj, a.v_proj, views_only=views_only),
                                     _fuse(a.q_proj, a.k_proj, a.v_proj, attr="bias")))
 
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The folded norm weights computed again, in place, from the model's norms (weights loaded into
+        the parameters after the fusion: the fused matrices are their storage, and need nothing)."""
+        for lyr, lw in zip(self._model.vlm.layers, self.vlm):
+            lw.norm1.copy_(1.0 + lyr.input_layernorm.weight.float())
+            lw.norm2.copy_(1.0 + lyr.post_attention_layernorm.weight.float())
