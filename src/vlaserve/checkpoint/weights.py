@@ -350,7 +350,9 @@ def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, dev
     with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for key, tensor in read(by_file):
             ours = ours_of[key]
-            loaded[ours] = copy(tensor, layout.param_dtype(ours, dtype), into=params[ours].data if in_place else None)
+            moved = copy(tensor, layout.param_dtype(ours, dtype), into=params[ours].data if in_place else None)
+            if not in_place:
+                loaded[ours] = moved
             bar.update()
     copy.finish()
     if not in_place:

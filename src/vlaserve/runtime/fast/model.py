@@ -115,10 +115,13 @@ class FastPi05:
         return self.model.action_in_proj.weight.device
 
     def schedule(self, num_steps: int) -> TimeSchedule:
-        with self._schedules_lock:
-            if num_steps not in self._schedules:
-                self._schedules[num_steps] = self._new_schedule(num_steps)
-            return self._schedules[num_steps]
+        schedule = self._schedules.get(num_steps)  # every call reads it: no lock unless it must be made
+        if schedule is None:
+            with self._schedules_lock:
+                schedule = self._schedules.get(num_steps)
+                if schedule is None:
+                    schedule = self._schedules[num_steps] = self._new_schedule(num_steps)
+        return schedule
 
     def _new_schedule(self, num_steps: int) -> TimeSchedule:
         return TimeSchedule(self.model, num_steps, self.device)

@@ -182,9 +182,9 @@ class CompilePool:
         left to its warm-up, which compiles it again and raises as the launch would (logged here once)."""
         recorded, recorder.recorded = recorder.recorded, {}
         started = recorder.started or time.perf_counter()
-        submitted, recorder.jobs, recorder.started = recorder.jobs, {}, None
-        try:
-            jobs = [submitted.get(data) or self._job(data, module, name) for data, (module, name) in recorded.items()]
+        recorder.jobs, recorder.started = {}, None
+        try:  # (each one given to the workers as recorded is in the pool's table: _job finds it)
+            jobs = [self._job(data, module, name) for data, (module, name) in recorded.items()]
         except BrokenProcessPool as e:  # a worker died (or none could start): the warm-ups compile
             log.warning("the compile workers are gone (%s); kernels compile as their warm-ups launch them", e)
             return 0

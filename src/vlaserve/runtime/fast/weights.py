@@ -70,6 +70,11 @@ def weight_of(*linears, views_only: bool = False) -> "torch.Tensor | Fp8Weight":
     return Fp8Weight(data, scale, linears[0].input_scale)
 
 
+def _folded(norm) -> torch.Tensor:
+    """Gemma's RMSNorm weight as the kernels take it: (1 + w), in fp32."""
+    return 1.0 + norm.weight.float()
+
+
 @dataclass
 class LayerWeights:
     qkv: "torch.Tensor | Fp8Weight"  # [(Hq + 2 Hkv) D, W]
@@ -101,8 +106,8 @@ class FusedWeights:
                 qkv=weight_of(a.q_proj, a.k_proj, a.v_proj, views_only=views_only and not ada), o=weight_of(a.o_proj),
                 gate_up=weight_of(m.gate_proj, m.up_proj, views_only=views_only and not ada),
                 down=weight_of(m.down_proj),
-                norm1=None if ada else (1.0 + lyr.input_layernorm.weight.float()),
-                norm2=None if ada else (1.0 + lyr.post_attention_layernorm.weight.float()))
+                norm1=None if ada else _folded(lyr.input_layernorm),
+                norm2=None if ada else _folded(lyr.post_attention_layernorm))
 
         self.vlm = [layer(lyr, ada=False) for lyr in model.vlm.layers]
         self.expert = [layer(lyr, ada=True) for lyr in model.expert.layers]
@@ -117,5 +122,5 @@ class FusedWeights:
         """The folded norm weights computed again, in place, from the model's norms (weights loaded into
         the parameters after the fusion: the fused matrices are their storage, and need nothing)."""
         for lyr, lw in zip(self._model.vlm.layers, self.vlm):
-            lw.norm1.copy_(1.0 + lyr.input_layernorm.weight.float())
-            lw.norm2.copy_(1.0 + lyr.post_attention_layernorm.weight.float())
+            lw.norm1.copy_(_folded(lyr.input_layernorm))
+            lw.norm2.copy_(_folded(lyr.post_attention_layernorm))
