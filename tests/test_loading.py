@@ -150,6 +150,81 @@ def test_staged_copy_into_a_tensor_writes_only_its_bytes(golden, dtype):
     assert bool((fused[:20] == 7).all()) and bool((fused[57:] == 7).all())
 
 
+@pytest.mark.parametrize("family_name", ["pi05_golden", "pi0_golden"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("meta", [True, False])
+def test_the_load_by_ranges_gives_every_tensor_as_the_mapped_load(family_name, dtype, meta):
+    """The CUDA loader's path (each file read in ranges, each range staged once, casts after the bytes), run on
+    the CPU with 4 KiB ranges so that tensors span ranges, end inside them and share them: every parameter is
+    what the per-tensor load gives (a view of the file, `.to(dtype)`), bit for bit, into a meta model or in place."""
+    from fixtures import fixture_dir
+
+    from vlaserve.checkpoint.weights import StagedCopy, load_weights, materialize
+    from vlaserve.family import family_of, load_policy_config
+
+    checkpoint = fixture_dir(family_name) / "checkpoint"
+    config = load_policy_config(checkpoint)
+    family = family_of(config)
+    expected = load_weights(family.build_model(config), checkpoint, dtype, torch.device("cpu"), progress=False,
+                            layout=family.weights)
+    model = family.build_model(config)
+    if not meta:
+        model = materialize(model, dtype, torch.device("cpu"), family.weights)
+    staging = StagedCopy(torch.device("cpu"), chunk_bytes=4096, staged=True)
+    load_weights(model, checkpoint, dtype, torch.device("cpu"), progress=False, layout=family.weights, staging=staging)
+    reference = dict(expected.named_parameters())
+    assert max(p.numel() * p.element_size() for p in reference.values()) > 4 * 4096
+    for name, p in model.named_parameters():
+        assert p.dtype == reference[name].dtype and torch.equal(p, reference[name]), name
+
+
+def test_the_load_by_ranges_reads_only_the_tensors_it_loads(tmp_path):
+    """A file whose tensors are not all loaded (an ignored one between two wanted ones, an empty one, three
+    dtypes; safetensors lays them out by dtype, then name): each wanted tensor gets its own bytes, and the
+    ignored one is not read."""
+    from safetensors.torch import save_file
+
+    from vlaserve.checkpoint.weights import StagedCopy, _load_ranges, read_header
+
+    tensors = {"a": torch.randn(2000), "b_ignored": torch.randn(3001), "c": torch.zeros(0), "e": torch.randn(1500),
+               "f": torch.randn(1001).to(torch.bfloat16), "g": torch.arange(7, dtype=torch.int8)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    order = sorted(read_header(path), key=lambda name: read_header(path)[name].begin)
+    assert order.index("a") < order.index("b_ignored") < order.index("e")
+    wanted = [name for name in tensors if name != "b_ignored"]
+    params = {name: torch.full_like(tensors[name], 9) for name in wanted}
+    staged = []
+
+    class Recording(StagedCopy):
+        def pieces(self, source, targets):
+            staged.append(source.numel())
+            super().pieces(source, targets)
+
+    copy = Recording(torch.device("cpu"), chunk_bytes=1024, staged=True)
+    bar = type("Bar", (), {"n": 0, "update": lambda self, k=1: setattr(self, "n", self.n + k)})()
+    _load_ranges(params, {name: (path, name) for name in wanted}, copy, bar)
+    for name in wanted:
+        assert torch.equal(params[name], tensors[name]), name
+    assert bar.n == len(wanted)
+    assert sum(staged) == sum(t.numel() * t.element_size() for name, t in tensors.items() if name != "b_ignored")
+
+
+def test_a_truncated_weights_file_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from vlaserve.checkpoint.weights import read_header
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(100)}, path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        read_header(path)
+    path.write_bytes(b"not safetensors at all")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_header(path)
+
+
 def test_the_engine_starts_before_the_weights_only_where_nothing_changes_them_after_the_load():
     """capture_while_loading (on by default) applies on CUDA's fast path with the background warm-up, where no
     fp8 conversion follows the load and no layer stays on the host; `--no-capture-while-loading` turns it off."""

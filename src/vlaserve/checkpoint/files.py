@@ -55,7 +55,7 @@ def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
     return shards
 
 
-# safetensors: mmap, one tensor at a time, with the read-ahead `vlaserve serve` starts before its imports.
+# safetensors: each file mapped and read in ranges, with the read-ahead `vlaserve serve` starts before its imports.
 # runai-streamer: runai-model-streamer's parallel reads; on the H200 machine's local disk no faster
 # (1.7 GB/s both: docs/memory.md) and it bypasses the page cache, so it is opt-in.
 WEIGHT_LOADERS = ("safetensors", "runai-streamer")

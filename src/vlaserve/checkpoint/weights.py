@@ -7,13 +7,15 @@ that names the keys; a partially random model is never served.
 
 from __future__ import annotations
 
+import json
+import mmap
 import re
-from collections import Counter
+import struct
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -163,6 +165,53 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
+# safetensors' dtype names (its format's specification) -> torch dtypes.
+_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in its safetensors file: [begin, end) counted from the file's start."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """A safetensors file's index, from its header alone (an 8-byte little-endian length, then JSON), checked
+    against the file's size: a truncated or foreign file is a CheckpointError that names it."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        start = 8 + length
+        index = {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if entry["dtype"] not in _STORED_DTYPES:
+                raise ValueError(f"{key}: dtype {entry['dtype']} is not supported")
+            dtype, shape = _STORED_DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"])
+            begin, end = (start + int(o) for o in entry["data_offsets"])
+            numel = 1
+            for n in shape:
+                numel *= n
+            if end - begin != numel * dtype.itemsize or not start <= begin <= end <= size:
+                raise ValueError(f"{key}: bytes [{begin}, {end}) do not hold {entry['dtype']} {list(shape)} "
+                                 f"in a file of {size} bytes")
+            index[key] = StoredTensor(dtype, shape, begin, end)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    return index
+
+
 def _scan_headers(checkpoint_dir: Path, layout: WeightLayout) -> tuple[dict[str, tuple[Path, str]], dict[tuple[Path, str], tuple[int, ...]]]:
     """From the safetensors headers only (no data read): our name -> (file, key) of every tensor the
     checkpoint maps to one (unknown ones as "?key"; a head-only tied embedding as the embedding), and
@@ -171,14 +220,13 @@ def _scan_headers(checkpoint_dir: Path, layout: WeightLayout) -> tuple[dict[str,
     shapes: dict[tuple[Path, str], tuple[int, ...]] = {}
     lm_head = None
     for path in checkpoint_files(checkpoint_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                shapes[path, key] = tuple(f.get_slice(key).get_shape())
-                if layout.canonical(key) == LM_HEAD:
-                    lm_head = (path, key)
-                ours = layout.to_ours(key)
-                if ours is not None:
-                    sources[ours] = (path, key)
+        for key, stored in read_header(path).items():
+            shapes[path, key] = stored.shape
+            if layout.canonical(key) == LM_HEAD:
+                lm_head = (path, key)
+            ours = layout.to_ours(key)
+            if ours is not None:
+                sources[ours] = (path, key)
     if EMBED not in sources and lm_head is not None:
         sources[EMBED] = lm_head  # tied weights: some checkpoints store only the head
     return sources, shapes
@@ -206,12 +254,24 @@ def _other_family_hint(layout: WeightLayout, keys: list[str]) -> str:
     return ""
 
 
-def _read_safetensors(by_file: dict[Path, list[str]]):
-    """(checkpoint key, tensor) for the wanted keys, one tensor at a time through mmap."""
+def _mapped(path: Path) -> torch.Tensor:
+    """The file's bytes as a uint8 tensor over a private mapping: pages are read when a copy touches them (from the
+    page cache where `ReadAhead` got there first). The mapping is never closed explicitly: it lives as long as any
+    tensor viewing it (closing it under a live view would leave the view on unmapped memory)."""
+    with open(path, "rb") as f:
+        return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+
+
+def _read_mapped(by_file: dict[Path, list[str]]):
+    """(checkpoint key, tensor) for the wanted keys, one at a time, each a view of its file's mapping."""
     for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                yield key, f.get_tensor(key)
+        index, data = read_header(path), _mapped(path)
+        for key in keys:
+            stored = index[key]
+            raw = data[stored.begin:stored.end]
+            if stored.begin % stored.dtype.itemsize:  # a view as another dtype must be aligned to it
+                raw = raw.clone()
+            yield key, raw.view(stored.dtype).reshape(stored.shape)
 
 
 def _read_runai(by_file: dict[Path, list[str]]):
@@ -225,14 +285,13 @@ def _read_runai(by_file: dict[Path, list[str]]):
 
 
 class StagedCopy:
-    """Moves tensors from host memory (the safetensors mmap: the page cache) to the device through two
-    pinned staging buffers: a CPU copy into one (torch spreads a large copy over the host's cores)
-    while the other's copy to the device runs. A pageable tensor's own `.to("cuda")` goes through
-    the driver's small staging buffer on one thread: 2.8-4.1 GB/s for the full-size checkpoint on the
-    H200 host (runs 182-183). Each tensor arrives in its stored dtype and is cast on the device
-    (round to nearest even, as on the host: the same bits). To a CPU device a tensor is cast in
-    place of a copy (staging buys nothing there) unless `staged` asks for the staged path anyway,
-    with plain buffers and synchronous copies (how the CPU tests check the chunking)."""
+    """Moves host bytes to the device through two pinned staging buffers: a CPU copy into one (torch spreads a
+    large copy over the host's cores) while the other's copies to the device run on a stream of their own. A
+    pageable tensor's own `.to("cuda")` goes through the driver's small staging buffer on one thread: 2.8-4.1
+    GB/s for the full-size checkpoint on the H200 host (runs 182-183). A tensor stored in another dtype than its
+    parameter's arrives in a scratch tensor and is cast on the device (round to nearest even, as on the host: the
+    same bits). To a CPU device a tensor is cast in place of a copy (staging buys nothing there) unless `staged`
+    asks for the staged path anyway, with plain buffers and synchronous copies (how the CPU tests check it)."""
 
     CHUNK_BYTES = 64 * 2**20
 
@@ -243,8 +302,39 @@ class StagedCopy:
         self._stream = torch.cuda.Stream(device) if cuda and self.staged else None
         self._buffers = ([torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
                          if self.staged else [])
-        self._done: list = [None, None]  # per buffer: the event of its last copy to the device
+        self._done: list = [None, None]  # per buffer: the event of its last copies to the device
         self._turn = 0
+
+    def pieces(self, source: torch.Tensor, targets: list[tuple[int, int, torch.Tensor]]) -> None:
+        """`source` (host bytes, at most `chunk_bytes`) staged once, and its bytes [lo, hi) copied into each
+        target (lo, hi, device bytes), in stream order after every copy before."""
+        buffer = self._buffers[self._turn]
+        if self._done[self._turn] is not None:
+            self._done[self._turn].synchronize()  # its previous copies to the device have read it
+        buffer[:source.numel()].copy_(source)
+        if self._stream is None:
+            for lo, hi, dst in targets:
+                dst.copy_(buffer[lo:hi])
+        else:
+            with torch.cuda.stream(self._stream):
+                for lo, hi, dst in targets:
+                    dst.copy_(buffer[lo:hi], non_blocking=True)
+                self._done[self._turn] = torch.cuda.Event()
+                self._done[self._turn].record()
+        self._turn ^= 1
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor for bytes that are cast once they are there. The copies into it wait for the work queued
+        before it: the memory may be a scratch tensor's that a cast still reads."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return out
+
+    def arrived(self) -> None:
+        """Orders what the current stream does next (a cast, any use) after the copies queued so far."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def __call__(self, tensor: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
         """`tensor` (host) on the device in `dtype`; `into`: written into that device tensor (of `tensor`'s
@@ -252,24 +342,12 @@ class StagedCopy:
         if not self.staged:
             return tensor.to(device=self.device, dtype=dtype) if into is None else into.copy_(tensor)
         direct = into is not None and into.dtype == tensor.dtype and into.is_contiguous()
-        out = into if direct else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        out = into if direct else self.scratch(tensor.shape, tensor.dtype)
         src, dst = _bytes(tensor.contiguous()), _bytes(out)
         for start in range(0, src.numel(), self.chunk_bytes):
-            n = min(self.chunk_bytes, src.numel() - start)
-            buffer = self._buffers[self._turn]
-            if self._done[self._turn] is not None:
-                self._done[self._turn].synchronize()  # its previous copy to the device has read it
-            buffer[:n].copy_(src[start:start + n])
-            if self._stream is None:
-                dst[start:start + n].copy_(buffer[:n])
-            else:
-                with torch.cuda.stream(self._stream):
-                    dst[start:start + n].copy_(buffer[:n], non_blocking=True)
-                    self._done[self._turn] = torch.cuda.Event()
-                    self._done[self._turn].record()
-            self._turn ^= 1
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)  # the cast, and every later use
+            stop = min(start + self.chunk_bytes, src.numel())
+            self.pieces(src[start:stop], [(0, stop - start, dst[start:stop])])
+        self.arrived()
         if into is not None:
             return out if direct else into.copy_(out)  # (a copy across dtypes rounds as .to does: the same bits)
         return out if out.dtype == dtype else out.to(dtype)
@@ -279,6 +357,69 @@ class StagedCopy:
         keeps them (128 MiB of host memory: torch has no public call that empties that cache)."""
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class _Incoming:
+    """One parameter on its way from its file: the device bytes its stored bytes go to (the parameter's own, or a
+    scratch tensor of the stored dtype, cast into the parameter once complete), and how far they have come."""
+
+    def __init__(self, stored: StoredTensor, param: torch.Tensor, copy: StagedCopy):
+        self.begin, self.end, self.next, self.param = stored.begin, stored.end, stored.begin, param
+        direct = param.dtype == stored.dtype and param.is_contiguous()
+        self.scratch = None if direct else copy.scratch(stored.shape, stored.dtype)
+        self.bytes = _bytes(param if direct else self.scratch)
+
+    def piece(self, start: int, limit: int) -> tuple[int, int, torch.Tensor]:
+        """Its bytes from `next` up to `limit` (file offsets), as a target of the range that starts at `start`."""
+        stop = min(self.end, limit)
+        target = (self.next - start, stop - start, self.bytes[self.next - self.begin:stop - self.begin])
+        self.next = stop
+        return target
+
+    def arrived(self, copy: StagedCopy) -> None:
+        if self.scratch is not None:
+            copy.arrived()
+            self.param.copy_(self.scratch)  # the cast (round to nearest even, as .to: the same bits)
+            self.scratch = self.bytes = None
+
+
+def _load_ranges(params: dict[str, torch.Tensor], sources: dict[str, tuple[Path, str]], copy: StagedCopy, bar) -> None:
+    """Each file read through its mapping in ranges of up to `copy.chunk_bytes` of consecutive wanted tensors,
+    each range staged once and each tensor's part of it copied up into its parameter: a few interpreter-level
+    operations a range and a tensor, where a copy of each tensor on its own took a dozen, every one of which waits
+    for the interpreter lock while graphs are captured beside the load (`Policy.from_pretrained`)."""
+    for path, items in _by_file(sources).items():
+        index, data = read_header(path), _mapped(path)
+        queue = deque(sorted(((index[key], params[ours]) for ours, key in items), key=lambda item: item[0].begin))
+        carried: _Incoming | None = None  # a tensor the last range ended inside
+        while queue or carried:
+            start = carried.next if carried else queue[0][0].begin
+            limit = start + copy.chunk_bytes
+            targets, complete = [], []
+            while True:
+                if carried is None:  # the next tensor joins if its bytes follow on (a tensor not loaded is not read)
+                    end = start + (targets[-1][1] if targets else 0)
+                    if not queue or (targets and queue[0][0].begin != end) or queue[0][0].begin >= limit:
+                        break
+                    carried = _Incoming(*queue.popleft(), copy)
+                targets.append(carried.piece(start, limit))
+                if carried.next < carried.end:
+                    break  # continues in the next range
+                complete.append(carried)
+                carried = None
+            copy.pieces(data[start:start + targets[-1][1]], targets)
+            for incoming in complete:
+                incoming.arrived(copy)
+            bar.update(len(complete))
+        del data  # the mapping goes with its last view
+
+
+def _by_file(sources: dict[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, str]]]:
+    """`check_weights`'s answer grouped by file: (our name, checkpoint key) pairs."""
+    grouped: dict[Path, list[tuple[str, str]]] = {}
+    for ours, (path, key) in sources.items():
+        grouped.setdefault(path, []).append((ours, key))
+    return grouped
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -326,35 +467,46 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device,
 
 def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, device: torch.device,
                  progress: bool = True, loader: str = "safetensors", layout: WeightLayout = PI05_LAYOUT,
-                 sources: dict[str, tuple[Path, str]] | None = None) -> nn.Module:
+                 sources: dict[str, tuple[Path, str]] | None = None, staging: StagedCopy | None = None) -> nn.Module:
     """Fills `model` from safetensors, strictly: built on the meta device, its parameters become the loaded
     tensors; materialized (`materialize`, on `device`), each is written in place, its storage kept.
 
-    Every name and shape is checked against the headers (`check_weights`) before any data is read. Tensors then
-    arrive one at a time (safetensors mmap, or runai-model-streamer's parallel reads), are moved
-    through pinned staging buffers (`StagedCopy`) and cast on the device, so no full-precision copy
-    of the model ever sits in host memory. `sources`: `check_weights`'s answer, where the caller checked already.
+    Every name and shape is checked against the headers (`check_weights`) before any data is read. To a device
+    the bytes go through pinned staging buffers (`StagedCopy`; `staging`: another one, as the CPU tests use) and
+    are cast there, so no full-precision copy of the model ever sits in host memory: the safetensors loader reads
+    each file in ranges (`_load_ranges`), runai-model-streamer's parallel reads arrive a tensor at a time. To the
+    host (a CPU device, offload) each parameter is a view of the file's mapping where no cast is needed.
+    `sources`: `check_weights`'s answer, where the caller checked already.
     """
     if sources is None:
         sources = check_weights(model, checkpoint_dir, layout)
-    by_file: dict[Path, list[str]] = {}
-    ours_of: dict[str, str] = {}
-    for ours, (path, key) in sources.items():
-        by_file.setdefault(path, []).append(key)
-        ours_of[key] = ours
-    read = {"safetensors": _read_safetensors, "runai-streamer": _read_runai}[check_weight_loader(loader)]
+    loader = check_weight_loader(loader)
+    copy = staging or StagedCopy(torch.device(device))
+    with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
+        if loader == "safetensors" and copy.staged:
+            if any(p.is_meta for p in model.parameters()):
+                materialize(model, dtype, device, layout)
+            _load_ranges({n: p.data for n, p in model.named_parameters()}, sources, copy, bar)
+        else:
+            _load_tensors(model, sources, dtype, layout, copy, loader, bar)
+    copy.finish()
+    return model
+
+
+def _load_tensors(model: nn.Module, sources: dict[str, tuple[Path, str]], dtype: torch.dtype, layout: WeightLayout,
+                  copy: StagedCopy, loader: str, bar) -> None:
+    """The load a tensor at a time, as `loader` reads them."""
+    by_file = {path: [key for _, key in items] for path, items in _by_file(sources).items()}
+    ours_of = {key: ours for ours, (_, key) in sources.items()}
+    read = {"safetensors": _read_mapped, "runai-streamer": _read_runai}[loader]
     params = dict(model.named_parameters())
     in_place = not any(p.is_meta for p in params.values())
     loaded: dict[str, torch.Tensor] = {}
-    copy = StagedCopy(torch.device(device))
-    with tqdm(total=len(sources), desc="loading weights", unit="tensor", disable=not progress) as bar:
-        for key, tensor in read(by_file):
-            ours = ours_of[key]
-            moved = copy(tensor, layout.param_dtype(ours, dtype), into=params[ours].data if in_place else None)
-            if not in_place:
-                loaded[ours] = moved
-            bar.update()
-    copy.finish()
+    for key, tensor in read(by_file):
+        ours = ours_of[key]
+        moved = copy(tensor, layout.param_dtype(ours, dtype), into=params[ours].data if in_place else None)
+        if not in_place:
+            loaded[ours] = moved
+        bar.update()
     if not in_place:
         model.load_state_dict(loaded, strict=True, assign=True)
-    return model
