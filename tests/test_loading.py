@@ -33,7 +33,7 @@ def test_load_timings_account_for_the_load(golden):
     assert t["weight_bytes"] == sum(p.numel() * 4 for p in policy.model.parameters())  # float32 everywhere
     stages = t["config_s"] + t["device_s"] + t["weights_s"] + t["engine_s"]
     assert 0 < stages <= t["total_s"]
-    assert t["weights_gb_per_s"] is None  # on the CPU the files are mapped, not read: no throughput to claim
+    assert t["weights_gb_per_s"] is None  # on the CPU nothing crosses to a device: no throughput to claim
 
 
 def test_weight_loader_choice_and_errors(monkeypatch):
@@ -208,6 +208,27 @@ def test_the_load_by_ranges_reads_only_the_tensors_it_loads(tmp_path):
         assert torch.equal(params[name], tensors[name]), name
     assert bar.n == len(wanted)
     assert sum(staged) == sum(t.numel() * t.element_size() for name, t in tensors.items() if name != "b_ignored")
+
+
+def test_weights_loaded_to_the_host_do_not_change_with_the_file(golden, tmp_path):
+    """A CPU load copies each tensor out of the file's mapping: overwriting the checkpoint file in place afterwards
+    (a re-download into the same file) leaves the served parameters as they were loaded."""
+    import shutil
+
+    from vlaserve.checkpoint.weights import read_header
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(golden / "checkpoint", checkpoint)
+    policy = Policy.from_pretrained(checkpoint, device="cpu", dtype="float32", progress=False)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    weights = checkpoint / "model.safetensors"
+    start = min(t.begin for t in read_header(weights).values())
+    with open(weights, "r+b") as f:  # the same file (inode), its data bytes overwritten
+        f.seek(start)
+        f.write(bytes(weights.stat().st_size - start))
+    for name, p in policy.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert any(bool(t.any()) for t in before.values())
 
 
 def test_a_truncated_weights_file_is_named(tmp_path):

@@ -111,8 +111,7 @@ class Policy:
             runtime = Runtime(model, config, settings, device, dtype, revision, progress=progress)
             mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # Loaded to the host (offload), safetensors maps the files without reading them; the reading
-        # happens while the layers are packed into pinned memory, in engine_s: no throughput to report.
+        # Loaded to the host (offload, a CPU device) the stage is host copies, no transfer: no throughput to report.
         rate = None if load_device.type == "cpu" else weight_bytes / 1e9 / max(stages["weights_s"], 1e-9)
         # A hub snapshot's directory is named after a commit: the hub id names the model better.
         hub = not Path(path_or_id).expanduser().is_dir() and str(path_or_id) not in DEMO_IDS

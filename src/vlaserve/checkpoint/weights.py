@@ -263,15 +263,14 @@ def _mapped(path: Path) -> torch.Tensor:
 
 
 def _read_mapped(by_file: dict[Path, list[str]]):
-    """(checkpoint key, tensor) for the wanted keys, one at a time, each a view of its file's mapping."""
+    """(checkpoint key, tensor) for the wanted keys, one at a time, each a copy of its bytes in the file's mapping:
+    memory of the process's own, which a checkpoint file replaced or truncated on disk while the server runs
+    cannot pull away (a view of the mapping would fault)."""
     for path, keys in by_file.items():
         index, data = read_header(path), _mapped(path)
         for key in keys:
             stored = index[key]
-            raw = data[stored.begin:stored.end]
-            if stored.begin % stored.dtype.itemsize:  # a view as another dtype must be aligned to it
-                raw = raw.clone()
-            yield key, raw.view(stored.dtype).reshape(stored.shape)
+            yield key, data[stored.begin:stored.end].clone().view(stored.dtype).reshape(stored.shape)
 
 
 def _read_runai(by_file: dict[Path, list[str]]):
@@ -475,7 +474,7 @@ def load_weights(model: nn.Module, checkpoint_dir: Path, dtype: torch.dtype, dev
     the bytes go through pinned staging buffers (`StagedCopy`; `staging`: another one, as the CPU tests use) and
     are cast there, so no full-precision copy of the model ever sits in host memory: the safetensors loader reads
     each file in ranges (`_load_ranges`), runai-model-streamer's parallel reads arrive a tensor at a time. To the
-    host (a CPU device, offload) each parameter is a view of the file's mapping where no cast is needed.
+    host (a CPU device, offload) each tensor is copied out of the file's mapping, then cast where needed.
     `sources`: `check_weights`'s answer, where the caller checked already.
     """
     if sources is None:
