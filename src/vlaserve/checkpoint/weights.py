@@ -411,6 +411,7 @@ def _load_ranges(params: dict[str, torch.Tensor], sources: dict[str, tuple[Path,
                 incoming.arrived(copy)
             bar.update(len(complete))
         del data  # the mapping goes with its last view
+    copy.arrived()  # the parameters written in place, as the casts: before anything the current stream does next
 
 
 def _by_file(sources: dict[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, str]]]:
