@@ -77,29 +77,7 @@ def test_read_ahead_only_when_memory_allows(golden, monkeypatch):
     assert read_ahead(checkpoint) is None
     monkeypatch.setattr(files_module, "available_memory_bytes", lambda: 10 * size)
     ahead = read_ahead(checkpoint)
-    others = files_module.other_files(checkpoint, checkpoint_files(checkpoint))
-    assert ahead is not None and ahead.wait(timeout=60)
-    assert ahead.bytes_read == size + sum(f.stat().st_size for f in others)
-
-
-def test_read_ahead_reads_the_other_files_first(golden, tmp_path):
-    """The configs, statistics and tokenizer the load reads before any weight come first (a cold disk then serves
-    them before the weights' reads); hidden folders and files larger than OTHER_FILE_BYTES are left out."""
-    import shutil
-
-    checkpoint = tmp_path / "checkpoint"
-    shutil.copytree(golden / "checkpoint", checkpoint)
-    (checkpoint / ".git").mkdir()
-    (checkpoint / ".git" / "pack").write_bytes(b"x" * 100)
-    (checkpoint / "training_state.bin").write_bytes(b"x" * (files_module.OTHER_FILE_BYTES + 1))
-    weights = checkpoint_files(checkpoint)
-    ahead = read_ahead(checkpoint)
-    assert ahead is not None and ahead.wait(timeout=60) and ahead.error is None
-    order = ahead.files
-    assert order[-len(weights):] == weights
-    names = {path.relative_to(checkpoint).as_posix() for path in order[:-len(weights)]}
-    assert {"config.json", "tokenizer/tokenizer.json"} <= names
-    assert not any(name.startswith(".git") or name == "training_state.bin" for name in names)
+    assert ahead is not None and ahead.wait(timeout=60) and ahead.bytes_read == size
 
 
 def test_serve_reads_a_local_checkpoint_ahead_only_for_the_mmap_loader(golden):

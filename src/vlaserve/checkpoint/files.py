@@ -96,9 +96,7 @@ class ReadAhead:
     THREADS = 16
 
     def __init__(self, files: list[Path], threads: int = THREADS):
-        """`files` are read in their order: the threads take each file's chunks in turn."""
         sizes = {Path(f): Path(f).stat().st_size for f in files}
-        self.files = list(sizes)
         self.total_bytes = sum(sizes.values())
         self.bytes_read = 0
         self.seconds: float | None = None  # set when done
@@ -146,7 +144,7 @@ class ReadAhead:
         if self.error:
             log.warning("reading the checkpoint ahead stopped (%s); loading reads it directly", self.error)
         else:
-            log.info("read %.2f GB of the checkpoint ahead in %.2f s (%.2f GB/s)", self.bytes_read / 1e9, self.seconds,
+            log.info("read %.2f GB of weights ahead in %.2f s (%.2f GB/s)", self.bytes_read / 1e9, self.seconds,
                      self.bytes_read / 1e9 / max(self.seconds, 1e-9))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -156,33 +154,14 @@ class ReadAhead:
 
 def read_ahead(checkpoint_dir: Path, threads: int = ReadAhead.THREADS,
                max_fraction_of_free_memory: float = 0.5) -> ReadAhead | None:
-    """Starts a ReadAhead of the checkpoint: its other files first (`other_files`: the configs, normalization
-    statistics and tokenizer, which the load reads before any weight and which would otherwise wait behind the
-    weights' reads on a cold disk), then its weight files; none of it when the weights would take more than
-    `max_fraction_of_free_memory` of the host's available memory (then the cached pages would only push each
-    other, or the serving process, out)."""
-    weights = checkpoint_files(checkpoint_dir)
-    total = sum(f.stat().st_size for f in weights)
+    """Starts a ReadAhead of the checkpoint's weight files, unless they would take more than
+    `max_fraction_of_free_memory` of the host's available memory (then the cached pages would
+    only push each other, or the serving process, out)."""
+    files = checkpoint_files(checkpoint_dir)
+    total = sum(f.stat().st_size for f in files)
     free = available_memory_bytes()
     if free is not None and total > max_fraction_of_free_memory * free:
         log.info("not reading the checkpoint ahead: %.2f GB of weights, %.2f GB of host memory available",
                  total / 1e9, free / 1e9)
         return None
-    return ReadAhead(other_files(checkpoint_dir, weights) + weights, threads)
-
-
-OTHER_FILE_BYTES = 64 * 2**20  # a tokenizer's files are a few MB; larger files are not the load's
-
-
-def other_files(checkpoint_dir: Path, weights: list[Path]) -> list[Path]:
-    """The checkpoint directory's files other than `weights`, below it at any depth (a tokenizer's folder), each of
-    at most OTHER_FILE_BYTES, hidden ones (.git, .cache) left out."""
-    weights = {Path(w) for w in weights}
-    found = []
-    for path in sorted(checkpoint_dir.rglob("*")):
-        parts = path.relative_to(checkpoint_dir).parts
-        if path in weights or any(part.startswith(".") for part in parts) or not path.is_file():
-            continue
-        if path.stat().st_size <= OTHER_FILE_BYTES:
-            found.append(path)
-    return found
+    return ReadAhead(files, threads)
