@@ -244,6 +244,10 @@ def test_a_truncated_weights_file_is_named(tmp_path):
     path.write_bytes(b"not safetensors at all")
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         read_header(path)
+    header = b"[1, 2]"  # JSON, but not a map of tensors
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_header(path)
 
 
 def test_the_engine_starts_before_the_weights_only_where_nothing_changes_them_after_the_load():

@@ -207,7 +207,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
                 raise ValueError(f"{key}: bytes [{begin}, {end}) do not hold {entry['dtype']} {list(shape)} "
                                  f"in a file of {size} bytes")
             index[key] = StoredTensor(dtype, shape, begin, end)
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     return index
 
