@@ -38,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_checkpoint, lerobot_policy, log,
@@ -45,6 +46,7 @@ from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_ch
 from vlaserve import Policy
 from vlaserve.checkpoint.weights import to_lerobot_name
 from vlaserve.config import ATTENTION_LIBRARIES, CAPTURE_WARMUPS, GEMM_LIBRARIES, RuntimeConfig
+from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 from vlaserve.model.fp8 import E4M3, convert_to_fp8
 from vlaserve.model.pi05 import Pi05Model
 from vlaserve.model.rtc import RTCGuidance
@@ -250,11 +252,15 @@ def golden_policy(golden: Path, device: str, **options) -> Policy:
                                   warmup="blocking", **options)
 
 
+def served_case(policy: Policy, case: GoldenCase) -> list:
+    """A golden case's observations served as one batch with its recorded noise (and RTC): the results."""
+    return policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
+                              num_steps=case.meta["num_steps"], rtcs=case.rtcs())
+
+
 def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
     """The CPU golden tests, rerun on the device: fp32 eager (every recorded tensor), then the fp32
     fast path (the actions); the first `cases` cases, or all."""
-    from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     out = {}
@@ -263,8 +269,7 @@ def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
     for case_dir in case_dirs(golden)[:cases]:
         case = GoldenCase.load(case_dir)
         exact, deltas = compare_case(policy, case)
-        results = fast_policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
-                                          num_steps=case.meta["num_steps"], rtcs=case.rtcs())
+        results = served_case(fast_policy, case)
         fast = max(float(abs(r.actions - e).max()) for r, e in zip(results, case.tensors["expected.actions"]))
         out[case_dir.name] = {"exact_ok": all(exact.values()), "eager_max_delta": max(deltas.values()),
                               "eager_beyond_tolerance": beyond_tolerance(case, deltas),
@@ -275,10 +280,6 @@ def golden_check(golden: Path, device: str, cases: int | None = None) -> dict:
 def cache_hit_equals_miss(golden: Path, device: str) -> bool:
     """A batch served twice with the prefix cache on: the second a hit (Pi0's state token recomputed
     after the restore), bitwise the first."""
-    import numpy as np
-
-    from vlaserve.golden import GoldenCase, case_dirs
-
     policy = golden_policy(golden, device, prefix_cache=4)
     case = GoldenCase.load(case_dirs(golden)[0])
     runs = [policy.infer_batch(case.observations(), noise=list(case.tensors["input.noise"]),
@@ -290,10 +291,6 @@ def cache_hit_equals_miss(golden: Path, device: str) -> bool:
 def overlapped_equals_serial(golden: Path, device: str) -> bool:
     """Two batches of one size enqueued back to back (the second's inputs copied into the graph's
     buffers while the first still runs), then waited for: bitwise the answers of running each alone."""
-    import numpy as np
-
-    from vlaserve.golden import GoldenCase, case_dirs
-
     policy = golden_policy(golden, device)
     batches = []
     for case_dir in case_dirs(golden)[:2]:
@@ -311,10 +308,6 @@ def loaded_while_capturing_equals_loaded_first(golden: Path, device: str) -> dic
     loaded into them in place, Policy.from_pretrained) against the weights loaded first, in float32 and bfloat16,
     every graph captured: the golden cases' actions bit for bit -> {dtype: bit-identical}; None on a CPU, where
     the weights always load first (no graphs)."""
-    import numpy as np
-
-    from vlaserve.golden import GoldenCase, case_dirs
-
     if device != "cuda":
         return None
 
@@ -332,11 +325,8 @@ def loaded_while_capturing_equals_loaded_first(golden: Path, device: str) -> dic
         same = True
         for case_dir in case_dirs(golden):
             case = GoldenCase.load(case_dir)
-            observations, noise = case.observations(), list(case.tensors["input.noise"])
-            steps = case.meta["num_steps"]
-            a = first.infer_batch(observations, noise=noise, num_steps=steps, rtcs=case.rtcs())
-            b = early.infer_batch(observations, noise=noise, num_steps=steps, rtcs=case.rtcs())
-            same &= all(np.array_equal(x.actions, y.actions) for x, y in zip(a, b))
+            same &= all(np.array_equal(x.actions, y.actions)
+                        for x, y in zip(served_case(first, case), served_case(early, case)))
         out[dtype] = same
         del first, early
         torch.cuda.empty_cache()
@@ -347,10 +337,6 @@ def prompt_buckets_captured(golden: Path, device: str) -> dict:
     """A prompt bucket served from CUDA graphs captured at warm-up (on views of the full-length
     buffers): no capture and no ungraphed call once ready, and the actions of the full-length prompt
     (float32: the same function over other GEMM shapes)."""
-    import numpy as np
-
-    from vlaserve.golden import GoldenCase, case_dirs
-
     case = GoldenCase.load(case_dirs(golden)[0])
     observations, noise = case.observations(), list(case.tensors["input.noise"])
     plain = golden_policy(golden, device, prompt_buckets="none")
@@ -443,8 +429,6 @@ def compare_actions(now: dict, before: dict) -> dict:
 
 def policy_wall_time(model, cfg, engine, device: str) -> dict:
     """Policy.infer at batch 1 with host preprocessing (uint8 images, prompt, tokenizer) included."""
-    import numpy as np
-
     from vlaserve.family import PI05
     from vlaserve.processing.normalize import Normalization, QuantileNormalizer
     from vlaserve.processing.pipeline import ProcessorPipeline
