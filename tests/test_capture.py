@@ -243,10 +243,11 @@ def test_recording_kernels_runs_each_signature_once_before_its_warm_up(golden_po
     assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
     for key in batch1:
         runner.capture(key, steps)
-    # the warm-ups still run (now without compiling), and SigLIP's attention at 3, 2 and 1 images
-    assert runner.warm_up_runs == 6 + len(config.cameras)
+    # the warm-ups still run (now without compiling), SigLIP's attention at 3, 2 and 1 images, and the
+    # frames' conversion once (graphs.py `_BytesIn`)
+    assert runner.warm_up_runs == 6 + len(config.cameras) + 1
     assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
-    assert runner.warm_up_runs == 6 + len(config.cameras)
+    assert runner.warm_up_runs == 6 + len(config.cameras) + 1
 
 
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
@@ -280,8 +281,9 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
         # SigLIP's attention once per image count, before the first capture that meets it (3 cameras;
         # the plan's order: batch 1's common call, batch 2's, then batch 1's fewer-camera layouts, batch 2's)
         assert runner.attention_images == [3, 6, 2, 1, 4]
-    # per (batch, length): the prefix once, the Euler steps once without and once with RTC
-    assert counts == {"per_kernel": 2 * 2 * 3, "per_graph": 2 * len(plan)}
+    # per (batch, length): the prefix once, the Euler steps once without and once with RTC; the frames'
+    # conversion once
+    assert counts == {"per_kernel": 2 * 2 * 3 + 1, "per_graph": 2 * len(plan) + 1}
     # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)
     assert {n for w, n in steps_run if w == "per_kernel"} == {WARMUP_STEPS, config.num_inference_steps}
     assert {n for w, n in steps_run if w == "per_graph"} == {config.num_inference_steps}
@@ -306,18 +308,22 @@ def test_warm_ups_take_the_device_in_turn_and_recordings_hold_no_lock(golden_pol
             super()._warm_up(fn, runs)
 
         def _new_graph(self, fn):
-            seen.append(("recorded", turns.lock._is_owned(), len(self._prefix_graphs) + len(self._denoise_graphs)))
+            # (a batch size's first prefix graph is followed by its frames' conversion's, graphs.py `_BytesIn`)
+            kind = "conversion recorded" if fn.__qualname__.startswith("_BytesIn.") else "recorded"
+            seen.append((kind, turns.lock._is_owned(), len(self._prefix_graphs) + len(self._denoise_graphs)))
             return super()._new_graph(fn)
 
     runner = WatchedRunner(golden_policy, turns=turns)
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
     for i, key in enumerate(plan):
         runner.capture(key, config.num_inference_steps)
-        assert seen[-1] == ("recorded", False, i)  # without the lock, and stored only after
+        assert not any(step[1] for step in seen if step[0].endswith("recorded"))  # without the lock
+        assert [step for step in seen if step[0] == "recorded"][-1] == ("recorded", False, i)  # stored only after
     warm_ups = [j for j, step in enumerate(seen) if step[0] == "warm-up"]
     # per kernel signature: per size, the prefix, the Euler steps with and without RTC, and SigLIP's attention
-    # at each image count of its layouts (1-3 cameras: 1-3 images at batch 1, 2-6 at batch 2: 5 counts)
-    assert len(warm_ups) == 2 * 3 + 5
+    # at each image count of its layouts (1-3 cameras: 1-3 images at batch 1, 2-6 at batch 2: 5 counts); the
+    # frames' conversion once
+    assert len(warm_ups) == 2 * 3 + 5 + 1
     assert all(seen[j] == ("warm-up", True) and seen[j - 1] == "turn" for j in warm_ups)
 
 

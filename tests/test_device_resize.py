@@ -209,6 +209,51 @@ def test_on_a_gpu_the_buffers_get_the_hosts_model_inputs(golden_policy):
         assert torch.equal(buffers[name].cpu(), getattr(host, name)), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)"))])
+@pytest.mark.parametrize("layout", ["hwc", "chw"])
+def test_the_captured_conversion_writes_what_the_launched_one_does(golden_policy, device, layout):
+    """The fast path's way in for bytes (`_BytesIn`: the frames copied into a channels-last byte buffer, their
+    conversion replayed from a CUDA graph; on the CPU the same function called): the buffers hold exactly what
+    `into_buffers` writes without it, for batches of 1 and 2 with a frame resized where the batch runs and an
+    absent camera, and a second batch through the same graph replaces the first's values (stale ones before)."""
+    from types import SimpleNamespace
+
+    from vlaserve.runtime.fast.graphs import _BytesIn, _Graph
+
+    pre, state = golden_policy.preprocessor, np.zeros(golden_policy.config.state_dim, dtype=np.float32)
+
+    def batch(seed: int, size: int):
+        frames = dict(_frames(seed))
+        del frames["right_wrist_0_rgb"]
+        if layout == "chw":
+            frames = {cam: np.ascontiguousarray(f.transpose(2, 0, 1)) for cam, f in frames.items()}
+        requests = [golden_policy.request({"images": frames, "state": state, "task": "t"}, seed=i) for i in range(size)]
+        deferred, pre.defer_resize = pre.defer_resize, True
+        try:
+            return pre.collate(requests)[0]
+        finally:
+            pre.defer_resize = deferred
+
+    for size in (1, 2):
+        spec = BufferSpec.of(golden_policy.config, size, torch.float32)
+        buffers, expected = spec.allocate(device), spec.allocate(device)
+        buffers["images"].fill_(7)
+        if device == "cuda":  # torch's kernels loaded before the capture, as FastRunner's warm-up does
+            _BytesIn.conversion(buffers)()
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            bytes_in = _BytesIn(buffers, lambda fn: _Graph(fn, pool, stream))
+        else:
+            bytes_in = _BytesIn(buffers, lambda fn: SimpleNamespace(replay=fn))
+        for seed in (5, 6):
+            inputs = batch(seed, size)
+            assert inputs.images.dtype == torch.uint8 and inputs.pending
+            into_buffers(inputs, buffers, bytes_in)
+            into_buffers(inputs, expected)
+            assert torch.equal(buffers["images"], expected["images"]), (size, seed)
+            assert not torch.equal(buffers["images"][0, 0], buffers["images"][0, 1])
+
+
 def test_float_images_and_a_state_go_straight_into_the_buffers_as_they_are(golden_policy):
     """Float images (sent normalized, or a batch mixing them with bytes) are copied as they are; Pi0's
     state too (its buffers have one)."""

@@ -61,6 +61,9 @@ class BufferSpec:
         b = self.batch
         return {
             "images": ((b, self.cameras, 3, self.resolution, self.resolution), torch.float32),
+            # The frames as robots send them (uint8, channels-last), converted into `images` by a graph
+            # (graphs.py `_BytesIn`).
+            "image_bytes": ((b, self.cameras, self.resolution, self.resolution, 3), torch.uint8),
             "image_masks": ((b, self.cameras), torch.bool),
             "tokens": ((b, self.token_len), torch.int64),
             "token_mask": ((b, self.token_len), torch.bool),
