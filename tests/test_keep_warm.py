@@ -98,9 +98,14 @@ def test_a_rehearsal_due_after_its_answer_is_dropped(golden_policy, monkeypatch)
     assert stats == [{"enabled": True, "rehearsals": 0, "pending": False}] * 3
 
 
-def test_a_rehearsal_draws_no_noise_and_counts_nothing(golden_policy):
+def test_a_rehearsal_draws_no_noise_and_counts_nothing(golden_policy, monkeypatch):
+    """...and it collates its request as a batch of one (what a direct launch runs on the event loop next),
+    launching nothing."""
     service = Service(golden_policy, ServerSettings())
     obs = observation(5)
+    collated, collate = [], golden_policy.preprocessor.collate
+    monkeypatch.setattr(golden_policy.preprocessor, "collate", lambda requests: collated.append(requests) or collate(requests))
+    monkeypatch.setattr(golden_policy.runtime, "launch", lambda *a, **k: pytest.fail("a rehearsal launched"))
     for rehearsal in (functools.partial(rehearse, openpi_frame(obs), service),
                       functools.partial(service.rehearse_generation, v1_body(obs))):
         rng_before = torch.random.get_rng_state()
@@ -109,6 +114,8 @@ def test_a_rehearsal_draws_no_noise_and_counts_nothing(golden_policy):
         assert torch.equal(torch.random.get_rng_state(), rng_before)
         assert [(s.name, s.labels, s.value) for m in service.metrics.registry.collect()
                 for s in m.samples] == metrics_before
+        assert len(collated[-1]) == 1 and collated[-1][0].prepared is not None
+    assert len(collated) == 2
 
 
 def test_a_frame_decoded_off_the_event_loop_is_not_rehearsed(golden_policy):

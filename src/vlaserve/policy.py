@@ -161,6 +161,11 @@ class Policy:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
         return self.preprocessor.prepare(request if isinstance(request, Request) else self.request(request))
 
+    def rehearse(self, request: Request) -> None:
+        """What `launch([request])` runs on the host before the device, and nothing on the device: the request
+        prepared and collated as a batch of one (the server's keep-warm, server/warm.py)."""
+        self.preprocessor.collate([request])
+
     def is_light(self, request: Request) -> bool:
         """Whether `prepare(request)` is cheap enough to run where latency matters (raw frames: no
         decode, no host resize)."""

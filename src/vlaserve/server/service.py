@@ -320,10 +320,11 @@ class Service:
         return body
 
     def rehearse_request(self, request: Request) -> InferenceResult:
-        """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared as a real
-        one is, with zero noise (no draw from any generator); returns a result of zeros to encode as its reply."""
+        """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared and collated
+        as a real one is (a lone robot's batch is collated on the event loop too: the batcher's direct launch), with
+        zero noise (no draw from any generator); returns a result of zeros to encode as its reply."""
         request.noise, request.seed = self._zero_noise, None
-        self.policy.prepare(request)
+        self.policy.rehearse(request)
         return self._zero_result
 
     def rehearse_generation(self, payload: bytes) -> bool:
