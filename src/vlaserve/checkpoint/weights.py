@@ -8,6 +8,7 @@ that names the keys; a partially random model is never served.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import re
 import struct
@@ -200,10 +201,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
                 raise ValueError(f"{key}: dtype {entry['dtype']} is not supported")
             dtype, shape = _STORED_DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"])
             begin, end = (start + int(o) for o in entry["data_offsets"])
-            numel = 1
-            for n in shape:
-                numel *= n
-            if end - begin != numel * dtype.itemsize or not start <= begin <= end <= size:
+            if end - begin != math.prod(shape) * dtype.itemsize or not start <= begin <= end <= size:
                 raise ValueError(f"{key}: bytes [{begin}, {end}) do not hold {entry['dtype']} {list(shape)} "
                                  f"in a file of {size} bytes")
             index[key] = StoredTensor(dtype, shape, begin, end)

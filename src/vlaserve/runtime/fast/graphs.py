@@ -87,13 +87,18 @@ class _BytesIn:
     -> 105-115 us on an H100 host, run 250). The same operations on the same bytes: the same values."""
 
     def __init__(self, buf: dict, new_graph):
-        self.pixels = buf["image_bytes"].permute(0, 1, 4, 2, 3)  # [B, N, 3, S, S], as `images`
+        self.pixels = self.pixels_of(buf)
         self.graph = new_graph(self.conversion(buf))
+
+    @staticmethod
+    def pixels_of(buf: dict) -> torch.Tensor:
+        """The byte buffer viewed as `images` is laid out: [B, N, 3, S, S]."""
+        return buf["image_bytes"].permute(0, 1, 4, 2, 3)
 
     @staticmethod
     def conversion(buf: dict):
         def run():
-            bytes_to_model_range(buf["image_bytes"].permute(0, 1, 4, 2, 3), out=buf["images"])
+            bytes_to_model_range(_BytesIn.pixels_of(buf), out=buf["images"])
 
         return run
 
