@@ -27,7 +27,7 @@ from vlaserve.checkpoint.weights import apply_dtype_policy
 from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, ModelConfig, RuntimeConfig
 from vlaserve.family import load_policy_config
 from vlaserve.errors import ConfigError
-from vlaserve.runtime.fast import cute, flash, kernels, targets
+from vlaserve.runtime.fast import cute, flash, fp8_kernels, kernels, targets
 from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
 from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
 from vlaserve.runtime.runner import EagerRunner, Runtime
@@ -49,6 +49,15 @@ PREFIX_LEN = 3 * VISION.num_patches + 200
 
 # @triton.jit functions that only other kernels call
 HELPERS = {"_await_inputs", "gelu_tanh", "_gemm_two_column_blocks", "_online_softmax_step", "_rows"}
+# The modules whose wrappers launch the fast path's kernels
+LAUNCHERS = (kernels, fp8_kernels)
+
+
+def launched_kernels(target: targets.Target) -> set[str]:
+    """The kernels the launchers import: each must be launched somewhere in batches 1..8 (fp8's kernels
+    where the target has fp8: precision fp8 is refused on the others)."""
+    modules = LAUNCHERS if target.fp8 else (kernels,)
+    return {n for module in modules for n, v in vars(module).items() if isinstance(v, JITFunction)} - HELPERS
 
 
 class Recorder:
@@ -101,8 +110,9 @@ def expert_step(b: int) -> None:
             kernels.action_step(x, None, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance)
 
 
-def prefix(b: int) -> None:
-    """The prefix's Triton kernels at batch b, as FastPi05.vision / _prefix_triton call them."""
+def prefix(b: int, fp8: bool) -> None:
+    """The prefix's Triton kernels at batch b, as FastPi05.vision / _prefix_triton call them (`fp8`: with
+    precision fp8's too)."""
     p, w, hd, hq = b * PREFIX_LEN, VLM.width, VLM.head_dim, VLM.num_heads
     patches = b * 3 * VISION.num_patches
     v = meta(patches, VISION.width)
@@ -121,16 +131,25 @@ def prefix(b: int) -> None:
     kernels.mqa_attention(q, *kv, meta(b, PREFIX_LEN, dtype=torch.float32), hq, PREFIX_LEN,
                           kernels.prefix_attention_config(b))
     kernels.geglu(meta(p, 2 * VLM.mlp_dim))
+    if not fp8:
+        return
+    # precision fp8: the prefix's norms and GeGLU quantizing their outputs for the fp8 GEMMs, and the
+    # quantizer kernel before the others (every GEMM input's width, for the producers switched off)
+    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6, quantize=True)
+    fp8_kernels.geglu_quantized(meta(p, 2 * VLM.mlp_dim))
+    for rows, width in ((patches, VISION.width), (patches, VISION.mlp_dim), (p, w), (p, VLM.mlp_dim)):
+        fp8_kernels.quantize_rows(meta(rows, width))
 
 
 @contextlib.contextmanager
 def recording_launches(recorded: list):
-    """Within it kernels.py's kernels are Recorders appending to `recorded` (the kernels are back
+    """Within it the launchers' kernels are Recorders appending to `recorded` (the kernels are back
     after it, before anything compiles) -> the MonkeyPatch, for more patches undone with it."""
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in vars(kernels).items():
-            if isinstance(value, JITFunction):
-                patch.setattr(kernels, name, Recorder(value, recorded))
+        for module in LAUNCHERS:
+            for name, value in vars(module).items():
+                if isinstance(value, JITFunction):
+                    patch.setattr(module, name, Recorder(value, recorded))
         yield patch
 
 
@@ -143,7 +162,7 @@ def launches(target: targets.Target) -> list:
             use_launch_table(target)
             for b in BATCHES:
                 expert_step(b)
-                prefix(b)
+                prefix(b, target.fp8)
         finally:
             kernels.TUNING.clear()
             kernels.TUNING.update(saved)
@@ -238,8 +257,7 @@ def test_every_kernel_fits_every_target(capability, fresh_compiles):
         except UnsupportedArch as e:
             pytest.skip(str(e))
     kinds = {r.kernel for r in compiled}
-    # Every kernel of kernels.py is launched somewhere in batches 1..8.
-    assert kinds == {n for n, v in vars(kernels).items() if isinstance(v, JITFunction)} - HELPERS
+    assert kinds == launched_kernels(target)
     violations = [v for r in compiled for v in r.violations(target)]
     assert not violations, "\n".join(violations)
     # Spills cost speed, not correctness: none in any kernel the runtime launches.
@@ -271,19 +289,12 @@ def test_each_capability_maps_to_its_matrix_entry(capability, expected):
 
 @pytest.mark.parametrize("capability", sorted(targets.TARGETS))
 def test_every_launch_pins_fp_fusion(capability, monkeypatch):
-    """Every kernel launch of batches 1..8 (and the fp8 quantizer's) asks for FP fusion itself, so a
-    Triton whose default differs (3.10 turns it off; TRITON_DEFAULT_FP_FUSION) compiles the same
-    roundings the gates measured (kernels.launch_options)."""
+    """Every kernel launch of batches 1..8 (fp8's included) asks for FP fusion itself, so a Triton
+    whose default differs (3.10 turns it off; TRITON_DEFAULT_FP_FUSION) compiles the same roundings
+    the gates measured (kernels.launch_options)."""
     recorded = launches(targets.TARGETS[capability])
-    kernels_py = {n for n, v in vars(kernels).items() if isinstance(v, JITFunction)} - HELPERS
-    assert {fn.__name__ for fn, _, _ in recorded} == kernels_py
+    assert {fn.__name__ for fn, _, _ in recorded} == launched_kernels(targets.TARGETS[capability])
     assert all(kwargs.get("enable_fp_fusion") is True for _, _, kwargs in recorded)
-    from vlaserve.runtime.fast import fp8_kernels
-
-    quantizer: list = []
-    monkeypatch.setattr(fp8_kernels, "_quantize_rows", Recorder(fp8_kernels._quantize_rows, quantizer))
-    fp8_kernels.quantize_rows(meta(768, 1152))
-    assert [kwargs["enable_fp_fusion"] for _, _, kwargs in quantizer] == [True]
 
 
 def test_the_h200_keeps_its_table_and_features():
@@ -427,3 +438,27 @@ def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
                 assert euler_compiles(model, b, WARMUP_STEPS, with_rtc) == call, (type(model).__name__, b, with_rtc)
     one_step = euler_compiles(models[0], 1, 1, False)
     assert one_step < euler_compiles(models[0], 1, 10, False)
+
+
+@pytest.mark.parametrize("gpu, capability", [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0)),
+                                             ("NVIDIA GeForce RTX 3090", (8, 6)), ("NVIDIA Jetson AGX Orin", (8, 7))])
+def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch, gpu, capability, golden):
+    """Neither torch._scaled_mm nor the e4m3 Triton kernels run below sm89 (Triton: "type fp8e4nv not
+    supported in this architecture"): the load refuses fp8 before converting anything, naming the GPU."""
+    from vlaserve.precision import apply_precision
+
+    fake_gpu(monkeypatch, gpu, capability)
+    config = load_policy_config(golden / "checkpoint")
+    sm = f"sm_{capability[0]}{capability[1]}"
+    for precision in ("fp8", "fp8+expert"):
+        with pytest.raises(ConfigError, match=rf"precision '{re.escape(precision)}' needs FP8 tensor cores .* which "
+                                              rf"{gpu} \({sm}\) lacks: serve with --precision bf16"):
+            apply_precision(None, golden / "checkpoint", config, None, None, torch.device("cuda"),
+                            RuntimeConfig(device="cuda", precision=precision))
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
+def test_fp8_passes_the_gpu_check_from_sm89(monkeypatch, capability):
+    fake_gpu(monkeypatch, "a GPU", capability)
+    targets.require_fp8(torch.device("cuda"), "fp8")
+    targets.require_fp8(torch.device("cpu"), "fp8")  # the CPU computes fp8 by dequantizing (the emulation)

@@ -11,6 +11,7 @@ fp32 (the emulation: the CPU's fp8 path and the reference the tests compare agai
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +57,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def scaled_mm_supported(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+class QuantizedRows(NamedTuple):
+    """Activations [M, K] quantized per row already, as quantize_rows gives them (on the fast path the
+    kernel that produced them did it), and the dtype they had: the one the GEMM returns."""
+
+    q: torch.Tensor  # e4m3 [M, K]
+    scale: torch.Tensor  # fp32 [M, 1]
+    dtype: torch.dtype
+
+
+def scaled_mm_supported(device: torch.device, dtype: torch.dtype, weight: torch.Tensor) -> bool:
     """Whether torch._scaled_mm's row-wise fp8 GEMM runs this product: CUDA at compute capability
     8.9+ (Ada, Hopper, Blackwell), bfloat16 activations (row-wise scaling returns bfloat16 only),
     and the inner and output sizes multiples of 16 (its alignment rule)."""
-    if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16:
+    if device.type != "cuda" or dtype != torch.bfloat16:
         return False
     n, k = weight.shape
-    return _fp8_tensor_cores(x2d.device.index) and k % 16 == 0 and n % 16 == 0
+    return _fp8_tensor_cores(device.index) and k % 16 == 0 and n % 16 == 0
 
 
 @lru_cache
@@ -72,22 +82,29 @@ def _fp8_tensor_cores(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None, quantizer=quantize_rows) -> torch.Tensor:
+def linear_fp8(x: "torch.Tensor | QuantizedRows", weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               quantizer=quantize_rows) -> torch.Tensor:
     """x [..., K] (any float dtype) @ dequant(weight [N, K] e4m3, weight_scale [N])^T + bias, with x
     quantized per token (or by `input_scale`); returned in x's dtype. `quantizer`: quantize_rows or
-    a kernel computing the same (the fast path's, runtime/fast/fp8_kernels.py)."""
+    a kernel computing the same (the fast path's, runtime/fast/fp8_kernels.py). x may come quantized
+    per token already (QuantizedRows [M, K]; not for a layer with a static `input_scale`)."""
     n, k = weight.shape
-    x2d = x.reshape(-1, k)
-    qx, sx = quantizer(x2d, input_scale)
-    if scaled_mm_supported(x2d, weight):
+    if isinstance(x, QuantizedRows):
+        if input_scale is not None:
+            raise ValueError("activations quantized per token were given to a layer with a static input scale")
+        qx, sx, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+    else:
+        qx, sx = quantizer(x.reshape(-1, k), input_scale)
+        dtype, lead = x.dtype, x.shape[:-1]
+    if scaled_mm_supported(qx.device, dtype, weight):
         # Row-major activations (a strided input quantizes into its own layout), column-major weights.
         out = torch._scaled_mm(qx.contiguous(), weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
                                bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
     else:
         out = F.linear(dequantize(qx, sx), dequantize(weight, weight_scale[:, None]),
-                       None if bias is None else bias.float()).to(x.dtype)
-    return out.view(*x.shape[:-1], n)
+                       None if bias is None else bias.float()).to(dtype)
+    return out.view(*lead, n)
 
 
 class Fp8Linear(nn.Module):

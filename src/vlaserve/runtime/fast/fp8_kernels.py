@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...model.fp8 import E4M3, E4M3_MAX
+from ...model.fp8 import E4M3, E4M3_MAX, QuantizedRows
 from .kernels import launch_options, triton
 
 if triton is not None:
-    from .kernel_code import _quantize_rows
+    from .kernel_code import _geglu_quantized, _quantize_rows
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,32 @@ def quantize_rows(x2d: torch.Tensor, static_scale: torch.Tensor | None = None,
         x2d, q, scale, static, m, k, x2d.stride(0), STATIC=static_scale is not None, ROWS=config.rows,
         BLOCK=config.block, ONE_PASS=config.one_pass, num_warps=config.num_warps, **launch_options())
     return q, scale
+
+
+# The widest GeGLU row quantized in one pass from registers (Gemma 2B's MLP: 16384).
+GEGLU_MAX_WIDTH = 16384
+
+
+def geglu_warps(width: int) -> int:
+    """Warps a row for `_geglu_quantized`: 32 values a thread. At Gemma 2B's 16384 on an H100 (run 254,
+    `bench/probes/fp8_producers.py`, in CUDA graphs, us a call at 864 / 6912 rows): 4 warps 75.8 / 499.9,
+    8: 44.8 / 295.6, 16: 39.4 / 259.7, 32: 45.4 / 327.5."""
+    return max(4, min(32, triton.next_power_of_2(width) // 1024))
+
+
+def geglu_quantized(gate_up: torch.Tensor, num_warps: int | None = None) -> QuantizedRows:
+    """gelu_tanh(gate) * up of gate_up [R, 2M] = [gate | up], quantized per row for the fp8 GEMM that
+    takes it, in one kernel: e4m3 [R, M] and fp32 scales [R, 1], the bits quantize_rows gives
+    kernels.geglu's output. M <= GEGLU_MAX_WIDTH; gate_up contiguous. `num_warps`: the split (every
+    one gives the same bits)."""
+    r, two_m = gate_up.shape
+    m = two_m // 2
+    if m > GEGLU_MAX_WIDTH:
+        raise ValueError(f"a one-pass GeGLU quantizer takes rows up to {GEGLU_MAX_WIDTH} wide, not {m}")
+    if not gate_up.is_contiguous():
+        raise ValueError("a one-pass GeGLU quantizer takes contiguous rows, not strided ones")
+    q = torch.empty(r, m, dtype=E4M3, device=gate_up.device)
+    scale = torch.empty(r, 1, dtype=torch.float32, device=gate_up.device)
+    _geglu_quantized[(r,)](gate_up, q, scale, m, BLOCK=triton.next_power_of_2(m),
+                           num_warps=num_warps or geglu_warps(m), **launch_options())
+    return QuantizedRows(q, scale, gate_up.dtype)

@@ -86,11 +86,13 @@ if triton is not None:
         tl.store(o_ptr + rows[:, None] * M + cols[None, :], act.to(o_ptr.dtype.element_ty), mask=rows[:, None] < R)
 
     @triton.jit
-    def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, R, eps,
+    def _residual_norm(delta_ptr, h_ptr, gate_ptr, scale_ptr, shift_ptr, y_ptr, s_ptr, R, eps,
                        SPLITS: tl.constexpr, N: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr):
+                       HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr,
+                       QUANTIZE: tl.constexpr):
         # One row per program: h += gate * delta (delta = sum of SPLITS partials, or one bf16 row),
-        # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift).
+        # with the eager path's bf16 rounding points; then y = rms_norm(h) * scale (+ shift), stored
+        # in h's dtype or (QUANTIZE) as that row quantized for an fp8 GEMM: e4m3 into y, its scale into s.
         row = tl.program_id(0)
         cols = tl.arange(0, N)
         _await_inputs(PDL)
@@ -109,7 +111,10 @@ if triton is not None:
         y = h * (1.0 / tl.sqrt(var + eps)) * tl.load(scale_ptr + cols)
         if HAS_SHIFT:
             y = y + tl.load(shift_ptr + cols)
-        tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty))
+        if QUANTIZE:
+            _quantize_row(y.to(h_ptr.dtype.element_ty).to(tl.float32), y_ptr + row * N, s_ptr + row, cols, cols < N)
+        else:
+            tl.store(y_ptr + row * N + cols, y.to(h_ptr.dtype.element_ty))
 
     @triton.jit
     def _residual_layer_norm(delta_ptr, h_ptr, w_ptr, b_ptr, y_ptr, N, eps,
@@ -148,6 +153,19 @@ if triton is not None:
         u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
         act = gelu_tanh(g).to(y_ptr.dtype.element_ty).to(tl.float32) * u
         tl.store(y_ptr + row * M + cols, act.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _geglu_quantized(x_ptr, q_ptr, s_ptr, M, BLOCK: tl.constexpr):
+        # x [R, 2M] = [gate | up] -> _geglu_rows's row, quantized for the fp8 GEMM that takes it as
+        # _quantize_rows would from the stored row: one row a program, held in registers from its loads
+        # to its e4m3 store (M <= BLOCK), so the activation never goes to memory in bf16 and back.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < M
+        g = tl.load(x_ptr + row * 2 * M + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * 2 * M + M + cols, mask=mask, other=0.0).to(tl.float32)
+        act = gelu_tanh(g).to(x_ptr.dtype.element_ty).to(tl.float32) * u
+        _quantize_row(act.to(x_ptr.dtype.element_ty).to(tl.float32), q_ptr + row * M, s_ptr + row, cols, mask)
 
     @triton.jit
     def _qkv_rope_gemm(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, R, K, H, stride_x, stride_w,
@@ -352,7 +370,7 @@ if triton is not None:
                 tl.store(h_ptr + rows[:, None] * W + ws[None, :], h.to(h_ptr.dtype.element_ty), mask=live)
 
 
-# The fp8 quantizer (fp8_kernels.py)
+# The fp8 quantizer (fp8_kernels.py) and its rounding, which the norms and the GeGLU share
 if triton is not None:
 
     @triton.jit
@@ -372,6 +390,24 @@ if triton is not None:
         return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _e4m3_scale(row_max):
+        """The per-row scale of model/fp8.py scales_for: amax / 448 correctly rounded, 1 for an all-zero row."""
+        return tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
+
+    @triton.jit
+    def _e4m3_values(v, scale):
+        """v / scale correctly rounded, saturated at +-448, rounded to e4m3 (as fp32)."""
+        return _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
+
+    @triton.jit
+    def _quantize_row(y, q_row_ptr, scale_ptr, cols, mask):
+        """One row's values (fp32 holding the activation dtype's values) -> its e4m3 values at q_row_ptr
+        and its scale at scale_ptr: what _quantize_rows gives that row, stored, with a per-row scale."""
+        scale = _e4m3_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+        tl.store(scale_ptr, scale)
+        tl.store(q_row_ptr + cols, _e4m3_values(y, scale).to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, M, K, stride_x, STATIC: tl.constexpr, ROWS: tl.constexpr,
                        BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -385,11 +421,9 @@ if triton is not None:
             mask = row_ok[:, None] & (cols < K)
             v = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
             if not STATIC:
-                row_max = tl.max(tl.abs(v), axis=1)
-                scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
+                scale = _e4m3_scale(tl.max(tl.abs(v), axis=1))
             tl.store(s_ptr + rows, scale, mask=row_ok)
-            q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0))
-            tl.store(q_rows + cols, q.to(tl.float8e4nv), mask=mask)
+            tl.store(q_rows + cols, _e4m3_values(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
         else:  # a wide row: its amax, then its rounding, reading it again (mostly from L2)
             if not STATIC:
                 amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -397,11 +431,9 @@ if triton is not None:
                     mask = row_ok[:, None] & (k0 + cols < K)
                     v = tl.load(x_rows + k0 + cols, mask=mask, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.abs(v))
-                row_max = tl.max(amax, axis=1)
-                scale = tl.where(row_max > 0, tl.math.div_rn(row_max, 448.0), 1.0)
+                scale = _e4m3_scale(tl.max(amax, axis=1))
             tl.store(s_ptr + rows, scale, mask=row_ok)
             for k0 in range(0, K, BLOCK):
                 mask = row_ok[:, None] & (k0 + cols < K)
                 v = tl.load(x_rows + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-                q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -448.0), 448.0))
-                tl.store(q_rows + k0 + cols, q.to(tl.float8e4nv), mask=mask)
+                tl.store(q_rows + k0 + cols, _e4m3_values(v, scale[:, None]).to(tl.float8e4nv), mask=mask)

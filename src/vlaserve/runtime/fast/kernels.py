@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from ...model.fp8 import E4M3, QuantizedRows
 from .kernel_code import gdc_wait, triton
 
 if triton is not None:
@@ -241,20 +242,26 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6) -> torch.Tensor:
-    """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N].
+def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6,
+                  quantize: bool = False) -> "torch.Tensor | QuantizedRows":
+    """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N]; with
+    `quantize`, that quantized per row for an fp8 GEMM (the bits fp8_kernels.quantize_rows gives it).
 
     delta: fp32 split-K partials [S, R, N] or a [R, N] tensor in h's dtype; N a power of two.
     """
-    y = torch.empty_like(h2d)
+    if quantize:
+        y = torch.empty(h2d.shape, dtype=E4M3, device=h2d.device)
+        scales = torch.empty(h2d.shape[0], 1, dtype=torch.float32, device=h2d.device)
+    else:
+        y, scales = torch.empty_like(h2d), h2d  # h stands in for the scales' unused pointer
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
     pdl = pdl_enabled()
     _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
-                                    scale if shift is None else shift, y, h2d.shape[0], eps, SPLITS=splits,
+                                    scale if shift is None else shift, y, scales, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
-                                    HAS_SHIFT=shift is not None, PDL=pdl,
+                                    HAS_SHIFT=shift is not None, PDL=pdl, QUANTIZE=quantize,
                                     num_warps=4 if h2d.shape[1] <= 1024 else 8, **launch_options(pdl))
-    return y
+    return QuantizedRows(y, scales, h2d.dtype) if quantize else y
 
 
 def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch.Tensor:

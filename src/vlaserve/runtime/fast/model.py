@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
-from ...model.fp8 import Fp8Linear, linear_fp8, quantize_rows
+from ...model.fp8 import Fp8Linear, QuantizedRows, linear_fp8, quantize_rows
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance, guidance_table
 from ...errors import ConfigError
@@ -54,6 +54,12 @@ class FastPi05:
 
     # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
     FUSED_ACTION_IO = True
+    # fp8 with per-token activation scales: the Triton kernels that produce an fp8 GEMM's input and
+    # quantize it themselves instead of a quantizer kernel before the GEMM, with the same bits: the
+    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up) and its GeGLU ("geglu", ahead of down).
+    # SigLIP's LayerNorm and GELU measured no faster or not bit-identical so (run 254, docs/performance.md).
+    # `quantizing_producers` on an instance, set before its graphs are captured, turns them off one by one.
+    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu"})
 
     def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton"):
@@ -68,6 +74,7 @@ class FastPi05:
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
         self._schedules: dict[int, TimeSchedule] = {}
         self._schedules_lock = threading.Lock()  # the capture thread makes schedules; refresh_weights rewrites them
+        self.quantizing_producers = self.QUANTIZING_PRODUCERS
         self.quack = gemm_library == "quack"
         if self.quack:
             # The offload profile's prefix waits on its weights' copies, not on its GEMMs.
@@ -101,13 +108,26 @@ class FastPi05:
         """x2d @ w^T (+ bias) through quack where it is faster (gemm_library "quack"), else cuBLAS: the same bits."""
         return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else self._gemm(x2d, w, bias)
 
-    def _gemm(self, x: torch.Tensor, w: "torch.Tensor | Fp8Weight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _gemm(self, x: "torch.Tensor | QuantizedRows", w: "torch.Tensor | Fp8Weight",
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w^T (+ bias): cuBLAS, or for an fp8 weight the fp8 GEMM (torch._scaled_mm where it runs),
-        its input quantized by one Triton kernel on the Triton path."""
+        its input quantized by one Triton kernel on the Triton path (unless it comes quantized)."""
         if isinstance(w, Fp8Weight):
             quantizer = fp8_kernels.quantize_rows if self.use_triton else quantize_rows
             return linear_fp8(x, w.data, w.scale, bias, w.input_scale, quantizer=quantizer)
         return F.linear(x, w, bias)
+
+    def _quantizes(self, producer: str, w) -> bool:
+        """Whether the kernel `producer` quantizes its output for w's GEMM itself: w in fp8 with per-token
+        activation scales (a static scale's quantizer stays a kernel of its own) and the producer on."""
+        return producer in self.quantizing_producers and isinstance(w, Fp8Weight) and w.input_scale is None
+
+    def _geglu(self, gate_up: torch.Tensor, w_down) -> "torch.Tensor | QuantizedRows":
+        """GeGLU of gate_up [R, 2M] as the down projection takes it: quantized in the same kernel where
+        `_quantizes` says so and the row fits its one pass."""
+        if self._quantizes("geglu", w_down) and gate_up.shape[1] // 2 <= fp8_kernels.GEGLU_MAX_WIDTH:
+            return fp8_kernels.geglu_quantized(gate_up)
+        return kernels.geglu(gate_up)
 
     @property
     def device(self) -> torch.device:
@@ -278,7 +298,7 @@ class FastPi05:
             key_bias = torch.where(cache_pad, 0.0, MASK_VALUE).to(torch.float32)
         eps, layers = dims.rms_norm_eps, self.w.vlm
         h2d = h.reshape(b * plen, width).contiguous()
-        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps)
+        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps, quantize=self._quantizes("rms_norm", layers[0].qkv))
         q_rows = dims.num_heads * dims.head_dim
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
@@ -295,13 +315,14 @@ class FastPi05:
                 attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
                                              kernels.prefix_attention_config(b))
             y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
-                                      eps=eps)
+                                      eps=eps, quantize=self._quantizes("rms_norm", lw.gate_up))
             if self._on_quack("prefix_gate_up", y):
                 act = cute.geglu_linear(y, lw.gate_up)
             else:
-                act = kernels.geglu(self._gemm(y, lw.gate_up))
+                act = self._geglu(self._gemm(y, lw.gate_up), lw.down)
             down = self._gemm(act, lw.down)
-            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps)
+            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps,
+                                      quantize=self._quantizes("rms_norm", layers[i + 1].qkv))
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):

@@ -4,7 +4,7 @@ Per compute capability: the per-block limits the Triton kernels must fit (shared
 may opt in to, registers per thread and per block, threads per block: the CUDA C++ Programming
 Guide, "Compute Capabilities", technical specifications table), the features the kernels use
 (TMA descriptors and programmatic dependent launch from sm90 on, as kernels.pdl_enabled /
-tma_enabled gate them; FP8 tensor cores from sm89 on, which vlaserve does not use yet) and the
+tma_enabled gate them; FP8 tensor cores from sm89 on, which precision fp8 needs) and the
 launch table the kernels take their tiles, warps and stages from.
 
 The launch tables themselves are in launch_tables.py (this module imports no Triton: the startup
@@ -57,7 +57,8 @@ class Target:
 
     @property
     def fp8(self) -> bool:
-        """FP8 tensor cores (sm89+). Not used by vlaserve today: listed for the matrix."""
+        """FP8 tensor cores (sm89+): precision fp8's GEMMs (torch._scaled_mm) and its Triton kernels'
+        e4m3 type; refused elsewhere (require_fp8)."""
         return self.capability >= 89
 
     @property
@@ -117,3 +118,17 @@ def require_cute(device: torch.device, option: str, default: str) -> None:
         found = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})" if cuda else f"the {device.type} device"
         raise ConfigError(f"{option} runs on Hopper (sm90) and datacenter Blackwell (sm100) GPUs only, not on "
                           f"{found}: serve with {default}")
+
+
+def require_fp8(device: torch.device, precision: str) -> None:
+    """Raises ConfigError unless a CUDA device has FP8 tensor cores (sm89+). Without them neither
+    torch._scaled_mm nor the fast path's e4m3 kernels run there, and fp8 computed by dequantizing
+    (model/fp8.py's emulation, the CPU's path) would be slower than bf16. Other devices pass."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    target = target_for((major, minor))
+    if target is None or not target.fp8:
+        raise ConfigError(f"precision {precision!r} needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                          f"Hopper, Blackwell), which {torch.cuda.get_device_name(device)} (sm_{major}{minor}) "
+                          "lacks: serve with --precision bf16")
