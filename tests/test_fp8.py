@@ -475,7 +475,7 @@ def test_a_kernel_that_quantizes_its_output_gives_the_quantizers_bits():
     GeGLU quantizer, against kernels.residual_norm's / kernels.geglu's output quantized by
     fp8_kernels.quantize_rows, in Triton's interpreter (float16 there): the same e4m3 bits and scales,
     all-zero rows included, and the same residual stream. Exact equality is the claim: each rounds the
-    same fp32 values at the same points (on the GPU too: run 254, bench/probes/fp8_producers.py)."""
+    same fp32 values at the same points (on the GPU too: runs 254-255, 05f44b8:bench/probes/fp8_producers.py)."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", PRODUCERS_SCRIPT], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})

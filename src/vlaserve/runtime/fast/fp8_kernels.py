@@ -80,7 +80,7 @@ GEGLU_MAX_WIDTH = 16384
 
 def geglu_warps(width: int) -> int:
     """Warps a row for `_geglu_quantized`: 32 values a thread. At Gemma 2B's 16384 on an H100 (run 254,
-    `bench/probes/fp8_producers.py`, in CUDA graphs, us a call at 864 / 6912 rows): 4 warps 75.8 / 499.9,
+    `05f44b8:bench/probes/fp8_producers.py`, in CUDA graphs, us a call at 864 / 6912 rows): 4 warps 75.8 / 499.9,
     8: 44.8 / 295.6, 16: 39.4 / 259.7, 32: 45.4 / 327.5."""
     return max(4, min(32, triton.next_power_of_2(width) // 1024))
 
