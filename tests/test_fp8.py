@@ -21,8 +21,8 @@ from vlaserve.cli import main
 from vlaserve.config import RuntimeConfig
 from vlaserve.errors import ConfigError
 from vlaserve.golden import GoldenCase, case_dirs
-from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, convert_to_fp8, dequantize, fp8_targets, linear_fp8,
-                                quantize, quantize_rows, quantize_weight)
+from vlaserve.model.fp8 import (E4M3, E4M3_MAX, Fp8Linear, QuantizedRows, convert_to_fp8, dequantize, fp8_targets,
+                                linear_fp8, quantize, quantize_rows, quantize_weight)
 from vlaserve.policy import Policy
 from vlaserve.precision import (GateThresholds, PrecisionGateError, apply_precision, compare_actions, cosines,
                                 gate_failures, read_scales, save_observation, synthetic_observations)
@@ -129,6 +129,21 @@ def test_emulation_matches_torchs_own_scaled_mm():
             pytest.skip(f"this torch's CPU _scaled_mm has no row-wise scales ({torch.__version__})")
         raise
     torch.testing.assert_close(linear_fp8(x, qw, sw, bias), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_quantized_ahead_give_the_same_product():
+    """What a producer kernel hands linear_fp8 (QuantizedRows: quantize_rows' rows and scales, and the dtype they
+    had) gives the product of the unquantized input, bit for bit: the same operands reach the same GEMM. A layer
+    with a static input scale takes no per-token rows."""
+    torch.manual_seed(5)
+    x, w, bias = torch.randn(2, 3, 64), torch.randn(32, 64), torch.randn(32)
+    qw, sw = quantize_weight(w)
+    ahead = QuantizedRows(*quantize_rows(x.reshape(-1, 64)), x.dtype)
+    out = linear_fp8(ahead, qw, sw, bias)
+    assert out.shape == (6, 32) and out.dtype == x.dtype
+    assert torch.equal(out, linear_fp8(x, qw, sw, bias).reshape(6, 32))
+    with pytest.raises(ValueError, match="static input scale"):
+        linear_fp8(ahead, qw, sw, bias, input_scale=torch.tensor(0.01))
 
 
 def test_fp8_linear_is_a_drop_in_for_nn_linear_at_half_the_weight_bytes():
