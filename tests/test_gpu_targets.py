@@ -442,19 +442,24 @@ def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
 
 @pytest.mark.parametrize("gpu, capability", [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0)),
                                              ("NVIDIA GeForce RTX 3090", (8, 6)), ("NVIDIA Jetson AGX Orin", (8, 7))])
-def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch, gpu, capability, golden):
+def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch, gpu, capability, golden, caplog):
     """Neither torch._scaled_mm nor the e4m3 Triton kernels run below sm89 (Triton: "type fp8e4nv not
-    supported in this architecture"): the load refuses fp8 before converting anything, naming the GPU."""
-    from vlaserve.precision import apply_precision
+    supported in this architecture"): a policy asked for fp8 there is refused before anything loads, and
+    so is `vlaserve check-precision`, naming the GPU."""
+    from vlaserve.cli import main
+    from vlaserve.policy import Policy
 
     fake_gpu(monkeypatch, gpu, capability)
-    config = load_policy_config(golden / "checkpoint")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(Policy, "__init__", lambda *a, **k: pytest.fail("the policy was built"))
     sm = f"sm_{capability[0]}{capability[1]}"
+    refusal = rf"precision '{{}}' needs FP8 tensor cores .* which {gpu} \({sm}\) lacks: serve with --precision bf16"
     for precision in ("fp8", "fp8+expert"):
-        with pytest.raises(ConfigError, match=rf"precision '{re.escape(precision)}' needs FP8 tensor cores .* which "
-                                              rf"{gpu} \({sm}\) lacks: serve with --precision bf16"):
-            apply_precision(None, golden / "checkpoint", config, None, None, torch.device("cuda"),
-                            RuntimeConfig(device="cuda", precision=precision))
+        with pytest.raises(ConfigError, match=refusal.format(re.escape(precision))):
+            Policy.from_pretrained(golden / "checkpoint", device="cuda", precision=precision, progress=False)
+    assert main(["check-precision", str(golden / "checkpoint"), "--device", "cuda"]) == 2  # a usage error's code
+    assert any(re.search(refusal.format("fp8"), m) for m in caplog.messages)
 
 
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])

@@ -23,6 +23,7 @@ from .processing.prepare import Preprocessor
 from .processing.prompt import PromptTokenizer, find_tokenizer
 from .runtime.device import finish_queued, resolve_device, resolve_dtype
 from .runtime.fast.precompile import hash_triton_ahead
+from .runtime.fast.targets import require_fp8
 from .runtime.memory import check_before_loading
 from .runtime.runner import Runtime
 from .types import InferenceResult, Observation, PreparedObservation, Request
@@ -61,6 +62,8 @@ class Policy:
             stages[stage], last = now - last, now
 
         device = resolve_device(settings.device)
+        if settings.precision != "bf16":
+            require_fp8(device, settings.precision)  # before anything is read or loaded
         dtype = resolve_dtype(settings.dtype, device)
         directory = find_checkpoint(path_or_id)
         config = load_policy_config(directory)

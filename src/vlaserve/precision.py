@@ -33,7 +33,6 @@ from .errors import ConfigError
 from .model.fp8 import convert_to_fp8, fp8_targets, scales_for
 from .processing.layouts import KeyLayout
 from .processing.prepare import Preprocessor, to_device
-from .runtime.fast.targets import require_fp8
 from .runtime.runner import EagerRunner
 from .types import Observation, Request
 
@@ -276,7 +275,6 @@ def apply_precision(model, checkpoint_dir: Path, config: PolicyConfig, preproces
     settings.precision_gate is "enforce"."""
     if settings.precision == "bf16":
         return {"precision": "bf16"}
-    require_fp8(device, settings.precision)
     if settings.precision == "fp8+expert" and settings.runs_fast_path(device.type):
         raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
                           "expert kernels take bfloat16 weights; precision 'fp8' runs on the fast path")

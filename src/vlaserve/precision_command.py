@@ -73,10 +73,13 @@ def _load(cli: dict):
 def check_precision_command(cli: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .precision import GateThresholds, apply_precision
+    from .runtime.device import resolve_device
+    from .runtime.fast.targets import require_fp8
 
     try:
         if cli["k"] < 1:
             raise UsageError("--k must be at least 1")
+        require_fp8(resolve_device(cli["device"]), cli["precision"])  # before the reference loads
         policy = _load(cli)
         settings = replace(policy.runtime.settings, precision=cli["precision"], precision_gate="warn",
                            precision_scales=cli["scales"], precision_observations=cli["observations"],
