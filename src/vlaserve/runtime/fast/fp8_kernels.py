@@ -1,4 +1,4 @@
-"""The fast path's fp8 activation quantization as one Triton kernel.
+"""The fast path's fp8 activation quantization in one Triton kernel a GEMM input.
 
 model/fp8.py's `quantize_rows` in torch makes five passes over the activations (|x|, the row amax,
 an fp32 copy, the division, the clamp) before the cast; at batch 8 the prefix's GEMM inputs are
@@ -8,6 +8,10 @@ read twice, the second time mostly from L2), and writes the e4m3 row and its sca
 numbers, bit for bit (fp32 division rounded to nearest, then rounded to e4m3 to nearest even,
 subnormals kept, saturating at 448, as torch's cast). The rounding is done in fp32 arithmetic, so
 the cast itself is exact: Triton's interpreter (the CPU tests) rounds fp8 casts otherwise than the GPU.
+
+Where the kernel producing a GEMM's input can hold its row, it quantizes the row itself with the same
+rounding (kernel_code._quantize_row): the prefix's RMSNorm (kernels.residual_norm(quantize=True)) and
+its GeGLU (`geglu_quantized`, below); FastPi05.quantizing_producers says which do.
 """
 
 from __future__ import annotations
