@@ -476,6 +476,18 @@ for rows, width in ((5, 256), (3, 64)):  # the prefix's RMSNorm (powers of two)
         plain = kernels.residual_norm(h_plain, w, eps=1e-6, **kwargs)
         fused = kernels.residual_norm(h_fused, w, eps=1e-6, quantize=True, **kwargs)
         out[f"rms {name} {rows}x{width}"] = same(fused, fp8_kernels.quantize_rows(plain)) and torch.equal(h_plain, h_fused)
+for rows, width in ((4, 72), (3, 1152)):  # SigLIP's LayerNorm: rows of one block, partly masked
+    h = (torch.randn(rows, width) + 0.3).half()
+    delta = (torch.randn(rows, width) * 4).half()
+    delta[1] = -h[1]  # h becomes all zero: y is the bias
+    w, bias = torch.rand(width) + 0.5, torch.randn(width) * 0.1
+    if rows == 4:
+        bias.zero_()  # then that row's output is all zero too (scale 1)
+    for name, kwargs in (("norm", {}), ("residual + norm", {"delta": delta})):
+        h_plain, h_fused = h.clone(), h.clone()
+        plain = kernels.residual_layer_norm(h_plain, w, bias, 1e-6, **kwargs)
+        fused = kernels.residual_layer_norm(h_fused, w, bias, 1e-6, quantize=True, **kwargs)
+        out[f"layer {name} {rows}x{width}"] = same(fused, fp8_kernels.quantize_rows(plain)) and torch.equal(h_plain, h_fused)
 for rows, width in ((3, 300), (2, 1100)):  # rows of one block, partly masked
     x = (torch.randn(rows, 2 * width) * 2).half()
     x[0, :width] = 0  # gate 0: an all-zero GeGLU row (scale 1)
@@ -486,17 +498,19 @@ print(json.dumps(out))
 
 
 def test_a_kernel_that_quantizes_its_output_gives_the_quantizers_bits():
-    """The prefix's RMSNorm kernel with quantize=True (its output goes to an fp8 GEMM) and the one-pass
-    GeGLU quantizer, against kernels.residual_norm's / kernels.geglu's output quantized by
-    fp8_kernels.quantize_rows, in Triton's interpreter (float16 there): the same e4m3 bits and scales,
-    all-zero rows included, and the same residual stream. Exact equality is the claim: each rounds the
-    same fp32 values at the same points (on the GPU too: runs 254-255, 05f44b8:bench/probes/fp8_producers.py)."""
+    """The prefix's RMSNorm and SigLIP's LayerNorm kernels with quantize=True (their output goes to an fp8
+    GEMM) and the one-pass GeGLU quantizer, against kernels.residual_norm's / residual_layer_norm's /
+    kernels.geglu's output quantized by fp8_kernels.quantize_rows, in Triton's interpreter (float16
+    there): the same e4m3 bits and scales, all-zero rows included, and the same residual stream. Exact
+    equality is the claim: each rounds the same fp32 values at the same points, in the same order (on the
+    GPU: runs 254-255, 05f44b8:bench/probes/fp8_producers.py, and run 260 for the LayerNorm; on the GPU the
+    order also rests on the kernels' layouts, which test_gpu_targets checks)."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", PRODUCERS_SCRIPT], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert len(out) == 6 and all(out.values()), out
+    assert len(out) == 10 and all(out.values()), out
 
 
 def test_the_one_pass_geglu_quantizer_refuses_what_it_cannot_hold():
@@ -555,7 +569,7 @@ def run(producers):
 
 a, ka, separate = run(())
 out = {"quantizer_calls": {"none": separate}}
-for producers in (("rms_norm",), ("rms_norm", "geglu")):
+for producers in (("rms_norm",), ("rms_norm", "geglu"), ("rms_norm", "geglu", "layer_norm")):
     c, kc, left = run(producers)
     name = "+".join(producers)
     out[name] = bool(torch.equal(a, c)) and bool(torch.equal(ka, kc))
@@ -568,14 +582,15 @@ print(json.dumps(out))
 def test_the_fast_path_with_quantizing_producers_computes_the_same_call():
     """A small fp8 model (2 SigLIP layers, 2 Gemma layers) through FastPi05 in Triton's interpreter,
     with a quantizer kernel before each fp8 GEMM, with the prefix's RMSNorms quantizing their outputs,
-    and with its GeGLU too (the default): the same actions and K/V cache bit for bit. Quantizer kernels
-    left: every fp8 GEMM's input apart = SigLIP's 4 a layer (8), Gemma's first layer's 4 and its
-    last's q/k/v (k and v only) = 13; Gemma's q/k/v (both layers) and gate/up quantized by the norms
-    leave 10; its down projection's input by the GeGLU, 9."""
+    with its GeGLU too, and with SigLIP's LayerNorms too (the default): the same actions and K/V cache bit
+    for bit. Quantizer kernels left: every fp8 GEMM's input apart = SigLIP's 4 a layer (8), Gemma's first
+    layer's 4 and its last's q/k/v (k and v only) = 13; Gemma's q/k/v (both layers) and gate/up quantized
+    by the norms leave 10; its down projection's input by the GeGLU, 9; SigLIP's q/k/v and fc1 inputs
+    by its LayerNorms (2 a layer), 5."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", FUSED_CALL_SCRIPT], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert out == {"quantizer_calls": {"none": 13, "rms_norm": 10, "rms_norm+geglu": 9},
-                   "rms_norm": True, "rms_norm+geglu": True}, out
+    assert out == {"quantizer_calls": {"none": 13, "rms_norm": 10, "rms_norm+geglu": 9, "rms_norm+geglu+layer_norm": 5},
+                   "rms_norm": True, "rms_norm+geglu": True, "rms_norm+geglu+layer_norm": True}, out

@@ -133,8 +133,10 @@ def prefix(b: int, fp8: bool) -> None:
     kernels.geglu(meta(p, 2 * VLM.mlp_dim))
     if not fp8:
         return
-    # precision fp8: the prefix's norms and GeGLU quantizing their outputs for the fp8 GEMMs, and the
+    # precision fp8: the norms and the prefix's GeGLU quantizing their outputs for the fp8 GEMMs, and the
     # quantizer kernel before the others (every GEMM input's width, for the producers switched off)
+    kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, quantize=True)
+    kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, delta=v, quantize=True)
     kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6, quantize=True)
     fp8_kernels.geglu_quantized(meta(p, 2 * VLM.mlp_dim))
     for rows, width in ((patches, VISION.width), (patches, VISION.mlp_dim), (p, w), (p, VLM.mlp_dim)):
@@ -263,6 +265,47 @@ def test_every_kernel_fits_every_target(capability, fresh_compiles):
     # Spills cost speed, not correctness: none in any kernel the runtime launches.
     spilling = [f"{r.kernel} [{r.launch}]: {r.spill_bytes} B" for r in compiled if r.spill_bytes]
     assert not spilling, "\n".join(spilling)
+
+
+def reduction_layouts(launch: tuple, capability: int) -> list[str]:
+    """The layouts of a recorded launch's reductions' operands (one per reduction, in order), from the TTGIR
+    Triton compiles for sm_<capability>: how a row's values are spread over the threads, and so the order
+    in which a sum over them is taken."""
+    fn, args, kwargs = launch
+    source, options = specialize(fn, args, kwargs, capability)
+    ttgir = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options.__dict__).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    return [layouts[name] for name in re.findall(r"\}\) : \(tensor<\d+xf32, (#\w+)>\) -> f32", ttgir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", sorted(c for c, t in targets.TARGETS.items() if t.fp8))
+def test_a_norm_that_quantizes_its_output_sums_in_its_bf16_twins_order(capability):
+    """The norms that quantize their outputs for fp8 GEMMs (SigLIP's LayerNorm, the prefix's RMSNorm) must
+    give the bits their bf16 kernels give before fp8_kernels.quantize_rows: their mean and variance summed
+    in the same order, so their reductions laid out alike. A 1-byte store alone would lay the whole
+    kernel out 16 values a thread, where the 2-byte loads take 8 (kernel_code._quantize_row; on an H100
+    that changed the LayerNorm's actions, run 254)."""
+    recorded: list = []
+    with recording_launches(recorded):
+        for quantize in (False, True):
+            patches = 8 * 3 * VISION.num_patches
+            v = meta(patches, VISION.width)
+            norm = meta(VISION.width, dtype=torch.float32)
+            kernels.residual_layer_norm(v, norm, norm, 1e-6, delta=v, quantize=quantize)
+            h = meta(8 * PREFIX_LEN, VLM.width)
+            kernels.residual_norm(h, meta(VLM.width), delta=meta(2, *h.shape, dtype=torch.float32), eps=1e-6,
+                                  quantize=quantize)
+    bf16, fp8 = recorded[:2], recorded[2:]
+    for plain, quantizing in zip(bf16, fp8):
+        try:
+            sums = reduction_layouts(plain, capability)
+            with_amax = reduction_layouts(quantizing, capability)
+        except Exception as e:  # the bundled ptxas does not know this architecture
+            if "ptxas" in str(e):
+                pytest.skip(str(e))
+            raise
+        assert len(with_amax) == len(sums) + 1 and with_amax[:len(sums)] == sums, (plain[0].__name__, sums, with_amax)
 
 
 def test_a_configuration_over_the_limit_fails_the_check(fresh_compiles):

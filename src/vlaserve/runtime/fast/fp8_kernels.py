@@ -10,8 +10,9 @@ subnormals kept, saturating at 448, as torch's cast). The rounding is done in fp
 the cast itself is exact: Triton's interpreter (the CPU tests) rounds fp8 casts otherwise than the GPU.
 
 Where the kernel producing a GEMM's input can hold its row, it quantizes the row itself with the same
-rounding (kernel_code._quantize_row): the prefix's RMSNorm (kernels.residual_norm(quantize=True)) and
-its GeGLU (`geglu_quantized`, below); FastPi05.quantizing_producers says which do.
+rounding (kernel_code._quantize_row): the prefix's RMSNorm (kernels.residual_norm(quantize=True)), its
+GeGLU (`geglu_quantized`, below) and SigLIP's LayerNorm (kernels.residual_layer_norm(quantize=True));
+FastPi05.quantizing_producers says which do.
 """
 
 from __future__ import annotations

@@ -269,13 +269,20 @@ def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch
     return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w), gate=gate, eps=eps)
 
 
-def residual_layer_norm(h2d, weight, bias, eps: float, delta=None) -> torch.Tensor:
-    y = torch.empty_like(h2d)
+def residual_layer_norm(h2d, weight, bias, eps: float, delta=None,
+                        quantize: bool = False) -> "torch.Tensor | QuantizedRows":
+    """SigLIP: h += delta in place (if delta), returns LayerNorm(h) [R, N]; with `quantize`, that quantized
+    per row for an fp8 GEMM (the bits fp8_kernels.quantize_rows gives it)."""
+    if quantize:
+        y = torch.empty(h2d.shape, dtype=E4M3, device=h2d.device)
+        scales = torch.empty(h2d.shape[0], 1, dtype=torch.float32, device=h2d.device)
+    else:
+        y, scales = torch.empty_like(h2d), h2d  # h stands in for the scales' unused pointer
     n = h2d.shape[1]
-    _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, n, eps,
-                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, num_warps=4,
-                                          **launch_options())
-    return y
+    _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, scales, n, eps,
+                                          BLOCK=_pow2(n), HAS_DELTA=delta is not None, QUANTIZE=quantize,
+                                          num_warps=4, **launch_options())
+    return QuantizedRows(y, scales, h2d.dtype) if quantize else y
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:

@@ -56,10 +56,11 @@ class FastPi05:
     FUSED_ACTION_IO = True
     # fp8 with per-token activation scales: the Triton kernels that produce an fp8 GEMM's input and
     # quantize it themselves instead of a quantizer kernel before the GEMM, with the same bits: the
-    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up) and its GeGLU ("geglu", ahead of down).
-    # SigLIP's LayerNorm and GELU measured no faster or not bit-identical so (run 254, docs/performance.md).
-    # `quantizing_producers` on an instance, set before its graphs are captured, turns them off one by one.
-    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu"})
+    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up), its GeGLU ("geglu", ahead of down) and
+    # SigLIP's LayerNorms ("layer_norm", ahead of q/k/v and fc1). SigLIP's GELU measured no faster so
+    # (run 254, docs/performance.md). `quantizing_producers` on an instance, set before its graphs are
+    # captured, turns them off one by one.
+    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu", "layer_norm"})
 
     def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton"):
@@ -212,20 +213,25 @@ class FastPi05:
         vis = self.model.vision
         eps = vis.dims.layer_norm_eps
         norms = [lyr.layer_norm1 for lyr in vis.layers[1:]] + [vis.post_layernorm]
-        ln = vis.layers[0].layer_norm1
-        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps)
-        for i, (lyr, (qkv_w, qkv_b), next_ln) in enumerate(zip(vis.layers, self.w.vision_qkv, norms)):
+        # What each norm's output feeds: the next layer's q/k/v, and after the last layer the projector.
+        consumers = [w for w, _ in self.w.vision_qkv[1:]] + [None]
+        ln, qkv_w = vis.layers[0].layer_norm1, self.w.vision_qkv[0][0]
+        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, quantize=self._quantizes("layer_norm", qkv_w))
+        for i, (lyr, (qkv_w, qkv_b), next_ln, next_w) in enumerate(zip(vis.layers, self.w.vision_qkv, norms,
+                                                                        consumers)):
             self._enter("vision", i)
             attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
             ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
-                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias))
+                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias),
+                                            quantize=self._quantizes("layer_norm", weight_of(fc1)))
             if self._on_quack("vision_fc1", y):
                 act = cute.linear_gelu(y, fc1.weight, fc1.bias)
             else:
                 act = kernels.gelu(self._gemm(y, weight_of(fc1), fc1.bias))
             mlp = self._gemm(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
-            y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp)
+            y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp,
+                                            quantize=self._quantizes("layer_norm", next_w))
         return y
 
     def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache, vision_slots: int | None = None):
