@@ -242,6 +242,15 @@ def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _norm_outputs(h2d: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm kernel's outputs for rows like h2d: a row in h's dtype, or (quantize) an e4m3 row and its
+    scale; without quantize h stands in for the scales' pointer, which the kernel then never touches."""
+    if not quantize:
+        return torch.empty_like(h2d), h2d
+    return (torch.empty(h2d.shape, dtype=E4M3, device=h2d.device),
+            torch.empty(h2d.shape[0], 1, dtype=torch.float32, device=h2d.device))
+
+
 def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6,
                   quantize: bool = False) -> "torch.Tensor | QuantizedRows":
     """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N]; with
@@ -249,11 +258,7 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
 
     delta: fp32 split-K partials [S, R, N] or a [R, N] tensor in h's dtype; N a power of two.
     """
-    if quantize:
-        y = torch.empty(h2d.shape, dtype=E4M3, device=h2d.device)
-        scales = torch.empty(h2d.shape[0], 1, dtype=torch.float32, device=h2d.device)
-    else:
-        y, scales = torch.empty_like(h2d), h2d  # h stands in for the scales' unused pointer
+    y, scales = _norm_outputs(h2d, quantize)
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
     pdl = pdl_enabled()
     _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
@@ -273,11 +278,7 @@ def residual_layer_norm(h2d, weight, bias, eps: float, delta=None,
                         quantize: bool = False) -> "torch.Tensor | QuantizedRows":
     """SigLIP: h += delta in place (if delta), returns LayerNorm(h) [R, N]; with `quantize`, that quantized
     per row for an fp8 GEMM (the bits fp8_kernels.quantize_rows gives it)."""
-    if quantize:
-        y = torch.empty(h2d.shape, dtype=E4M3, device=h2d.device)
-        scales = torch.empty(h2d.shape[0], 1, dtype=torch.float32, device=h2d.device)
-    else:
-        y, scales = torch.empty_like(h2d), h2d  # h stands in for the scales' unused pointer
+    y, scales = _norm_outputs(h2d, quantize)
     n = h2d.shape[1]
     _residual_layer_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, weight, bias, y, scales, n, eps,
                                           BLOCK=_pow2(n), HAS_DELTA=delta is not None, QUANTIZE=quantize,
