@@ -222,13 +222,14 @@ class FastPi05:
             self._enter("vision", i)
             attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
             ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
+            fc1_w = weight_of(fc1)
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
                                             delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias),
-                                            quantize=self._quantizes("layer_norm", weight_of(fc1)))
+                                            quantize=self._quantizes("layer_norm", fc1_w))
             if self._on_quack("vision_fc1", y):
                 act = cute.linear_gelu(y, fc1.weight, fc1.bias)
             else:
-                act = kernels.gelu(self._gemm(y, weight_of(fc1), fc1.bias))
+                act = kernels.gelu(self._gemm(y, fc1_w, fc1.bias))
             mlp = self._gemm(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp,
                                             quantize=self._quantizes("layer_norm", next_w))
