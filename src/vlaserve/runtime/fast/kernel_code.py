@@ -208,8 +208,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope(p_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, R, H, HQ: tl.constexpr,
                   SPLITS: tl.constexpr, HALF: tl.constexpr, NQP: tl.constexpr,
-                  k_batch_stride, q_batch_stride, SLOTS: tl.constexpr, PDL: tl.constexpr,
-                  Q_TOKEN_MAJOR: tl.constexpr = False):
+                  k_batch_stride, q_batch_stride, SLOTS: tl.constexpr, PDL: tl.constexpr):
         # One program per token: sum the split-K partials of its q/k/v row, rotate q and k. Its
         # K/V go to cache row slot[row] with SLOTS, else to its own token index.
         row = tl.program_id(0)
@@ -238,10 +237,8 @@ if triton is not None:
         out_lo = (x_lo * c).to(q_ptr.dtype.element_ty).to(tl.float32) - (x_hi * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         out_hi = (x_hi * c).to(q_ptr.dtype.element_ty).to(tl.float32) + (x_lo * s_).to(q_ptr.dtype.element_ty).to(tl.float32)
         d = tl.arange(0, HALF)[None, :]
-        if Q_TOKEN_MAJOR:  # q [B, H * HQ, D]: a token's heads together (for the attention that quantizes)
-            q_off = b * q_batch_stride + (tok * HQ + heads[:, None]) * 2 * HALF + d
-        else:  # q [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis
-            q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
+        # q layout [B, HQ * H, D]: head-major, so the 8 heads fold into one query axis
+        q_off = b * q_batch_stride + (heads[:, None] * H + tok) * 2 * HALF + d
         is_q = heads[:, None] < HQ
         tl.store(q_ptr + q_off, out_lo.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(q_ptr + q_off + HALF, out_hi.to(q_ptr.dtype.element_ty), mask=is_q)
@@ -280,38 +277,13 @@ if triton is not None:
         return tile
 
     @triton.jit
-    def _store_tokens_quantized(y, q_ptr, s_ptr, b, start, NQ, HQ: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
-        """y [ROWS, D]: query rows [start, start + ROWS) of item b, token-major (row = token * HQ + head; ROWS
-        a multiple of HQ, so whole tokens), in the activation dtype -> quantized per token for an fp8 o_proj:
-        e4m3 rows [B * NQ / HQ, HQ * D] at q_ptr and their scales at s_ptr, what _quantize_rows gives the
-        same rows stored in bf16."""
-        y = y.to(tl.float32)
-        i = tl.arange(0, ROWS)
-        rows = start + i
-        # a token's amax: the max of its HQ rows' amaxes (a gather, not a [ROWS // HQ, HQ] reshape, whose
-        # reduction Triton 3.9 fails to compile for sm100)
-        row_max = tl.max(tl.abs(y), axis=1)
-        token_max = row_max
-        for h in tl.static_range(1, HQ):
-            token_max = tl.maximum(token_max, tl.gather(row_max, i // HQ * HQ + (i + h) % HQ, 0))
-        scale = _e4m3_scale(token_max)
-        d = tl.arange(0, D)
-        tl.store(q_ptr + (b * NQ + rows[:, None]) * D + d[None, :], _e4m3_values(y, scale[:, None]).to(tl.float8e4nv),
-                 mask=rows[:, None] < NQ)
-        tl.store(s_ptr + (b * NQ + rows) // HQ, scale, mask=(rows < NQ) & (rows % HQ == 0))  # once a token
-
-    @triton.jit
     def _mqa_split(q_src, k_src, v_src, bias_ptr, o_ptr, lse_ptr, NQ, H, T, T_SPLIT, scale2,
                    q_batch_stride, kv_batch_stride, HQ: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
-                   TMA: tl.constexpr, PDL: tl.constexpr, QUANTIZE: tl.constexpr = False):
+                   TMA: tl.constexpr, PDL: tl.constexpr):
         # Flash attention over one key range. Every query of an item shares the key bias [T], so
         # the mask costs a vector, not a matrix. DIRECT (one split): write the normalized output
         # token-major [B, H, HQ * D] for o_proj; else fp32 partials + log-sum-exp for _mqa_merge.
-        # QUANTIZE (DIRECT only): q comes token-major [B, H * HQ, D], so a program's rows are every head of
-        # BLOCK_M // HQ tokens and it holds each of its tokens' whole output row, which it stores quantized
-        # per token for an fp8 o_proj (e4m3 at o_ptr, the tokens' scales at lse_ptr). A row's softmax and
-        # products do not depend on which rows share its tile: its values are the head-major tiles' ones.
         pid_m, pid_s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         qs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
@@ -327,10 +299,7 @@ if triton is not None:
             ts = start + tl.arange(0, BLOCK_T)
             bias = tl.load(bias_ptr + b * T + ts, mask=ts < T, other=-3.0e38)
             m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2)
-        if QUANTIZE:
-            _store_tokens_quantized((acc / l_i[:, None]).to(q.dtype), o_ptr, lse_ptr, b, pid_m * BLOCK_M, NQ, HQ,
-                                    BLOCK_M, D)
-        elif DIRECT:
+        if DIRECT:
             head, tok = qs // H, qs % H
             out = o_ptr + (b * H + tok[:, None]) * HQ * D + head[:, None] * D + d[None, :]
             tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=qs[:, None] < NQ)

@@ -303,16 +303,15 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        slots: torch.Tensor | None = None, q_token_major: bool = False) -> torch.Tensor:
+                        slots: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
     projection then runs as a split-K GEMM here). cos/sin: [R, D / 2] fp32, R = B * tokens.
-    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis; with
-    `q_token_major`, a token's heads together, as mqa_attention's `quantize` takes it).
+    Returns q [B, num_heads * tokens, D] (head-major: the heads fold into one query axis).
     num_heads 0: qkv holds only k and v (a layer whose queries are not needed).
     slots: [R] int32, the cache row of each token's K/V (a permutation of each item's rows); else
-    a token's own index. Not with `w_qkv`, nor is `q_token_major`.
+    a token's own index. Not with `w_qkv`.
     """
     r = qkv.shape[0]
     d = k_out.shape[-1]
@@ -320,8 +319,8 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
     pdl = pdl_enabled()
     if w_qkv is not None:
-        if slots is not None or q_token_major:
-            raise ValueError("qkv_rope_into_cache: slots and q_token_major need the projection's output, not w_qkv")
+        if slots is not None:
+            raise ValueError("qkv_rope_into_cache: slots need the projection's output, not w_qkv")
         cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
@@ -331,8 +330,7 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
         return q
     _qkv_rope[(r,)](qkv, cos, sin, q, k_out, v_out, q if slots is None else slots, r, tokens, HQ=num_heads,
                     SPLITS=1, HALF=d // 2, NQP=_pow2(num_heads + 1), k_batch_stride=k_out.stride(0),
-                    q_batch_stride=q.stride(0), SLOTS=slots is not None, PDL=pdl, Q_TOKEN_MAJOR=q_token_major,
-                    num_warps=4, **launch_options(pdl))
+                    q_batch_stride=q.stride(0), SLOTS=slots is not None, PDL=pdl, num_warps=4, **launch_options(pdl))
     return q
 
 
@@ -353,38 +351,27 @@ def _by_batch(family: str, batch: int):
     return table[max(sizes)] if sizes else TUNING[family]
 
 
-def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: dict,
-                  quantize: bool = False) -> "torch.Tensor | QuantizedRows":
+def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: dict) -> torch.Tensor:
     """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D] (any item stride), bias [B, T] fp32
     -> [B, tokens, num_heads * D] (token-major, ready for o_proj). cfg: block_m, splits, block_t,
-    warps, stages (several key splits add a log-sum-exp merge). With `quantize` (one split), q comes
-    token-major [B, tokens * num_heads, D] (qkv_rope_into_cache's q_token_major) and the output rows
-    [B * tokens, num_heads * D] go out quantized per token for an fp8 o_proj: the bits
-    fp8_kernels.quantize_rows gives the output of the same q head-major without it."""
+    warps, stages (several key splits add a log-sum-exp merge)."""
     b, nq, d = q.shape
     t = k_cache.shape[1]
     splits, block_m, block_t = cfg["splits"], cfg["block_m"], cfg["block_t"]
     t_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
+    out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
     # A TMA box holds at most 256 elements a side, rows of a multiple of 16 bytes (Gemma: D = 256)
     pdl, tma = pdl_enabled(), tma_enabled() and d <= 256 and (d * q.element_size()) % 16 == 0
-    launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
-    scale2 = d**-0.5 * 1.4426950408889634  # the softmax scale times log2 e
-    if quantize:  # each program whole tokens: every head of block_m // num_heads of them
-        if splits != 1 or block_m % num_heads:
-            raise ValueError(f"the attention quantizes its output with one key split and {num_heads} heads "
-                             f"dividing its {block_m}-row tiles, not {cfg}")
-        out = torch.empty(b * tokens, num_heads * d, dtype=E4M3, device=q.device)
-        scales = torch.empty(b * tokens, 1, dtype=torch.float32, device=q.device)
-    else:
-        out = scales = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
                _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
-    if splits == 1:  # (without quantize, `scales` is `out`: the kernel never touches it)
-        _mqa_split[grid](*sources, bias, out, scales, nq, tokens, t, t_split, scale2,
+    launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
+    scale2 = d**-0.5 * 1.4426950408889634  # the softmax scale times log2 e
+    if splits == 1:
+        _mqa_split[grid](*sources, bias, out, out, nq, tokens, t, t_split, scale2,
                          q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=1, BLOCK_M=block_m, BLOCK_T=block_t,
-                         D=d, DIRECT=True, TMA=tma, PDL=pdl, QUANTIZE=quantize, **launch)
-        return QuantizedRows(out, scales, q.dtype) if quantize else out
+                         D=d, DIRECT=True, TMA=tma, PDL=pdl, **launch)
+        return out
     parts = torch.empty(b, splits, nq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, splits, nq, dtype=torch.float32, device=q.device)
     _mqa_split[grid](*sources, bias, parts, lse, nq, tokens, t, t_split, scale2,

@@ -56,11 +56,11 @@ class FastPi05:
     FUSED_ACTION_IO = True
     # fp8 with per-token activation scales: the Triton kernels that produce an fp8 GEMM's input and
     # quantize it themselves instead of a quantizer kernel before the GEMM, with the same bits: the
-    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up), its GeGLU ("geglu", ahead of down), its
-    # attention ("attention", ahead of o) and SigLIP's LayerNorms ("layer_norm", ahead of q/k/v and fc1).
-    # SigLIP's GELU measured no faster so (run 254, docs/performance.md). `quantizing_producers` on an
-    # instance, set before its graphs are captured, turns them off one by one.
-    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu", "attention", "layer_norm"})
+    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up), its GeGLU ("geglu", ahead of down) and
+    # SigLIP's LayerNorms ("layer_norm", ahead of q/k/v and fc1). SigLIP's GELU measured no faster so
+    # (run 254, docs/performance.md). `quantizing_producers` on an instance, set before its graphs are
+    # captured, turns them off one by one.
+    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu", "layer_norm"})
 
     def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton"):
@@ -314,18 +314,14 @@ class FastPi05:
                 kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv[q_rows:]), cos_half, sin_half,
                                             *kv, 0, plen, slots=rows)
                 break
-            quantized_attention = not self.flash and self._quantizes("attention", lw.o)
             q = kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv), cos_half, sin_half, *kv,
-                                            dims.num_heads, plen, slots=rows, q_token_major=quantized_attention)
+                                            dims.num_heads, plen, slots=rows)
             if self.flash:
-                attn = flash.prefix_attention(q, *kv, valid_keys, dims.num_heads, plen).view(b * plen, -1)
-            elif quantized_attention:
-                attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
-                                             kernels.prefix_attention_config(b), quantize=True)
+                attn = flash.prefix_attention(q, *kv, valid_keys, dims.num_heads, plen)
             else:
                 attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
-                                             kernels.prefix_attention_config(b)).view(b * plen, -1)
-            y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn, lw.o),
+                                             kernels.prefix_attention_config(b))
+            y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
                                       eps=eps, quantize=self._quantizes("rms_norm", lw.gate_up))
             if self._on_quack("prefix_gate_up", y):
                 act = cute.geglu_linear(y, lw.gate_up)
