@@ -400,25 +400,8 @@ if triton is not None:
 
     @triton.jit
     def _e4m3_values(v, scale):
-        """v / scale correctly rounded, saturated at +-448, rounded to e4m3 (as fp32): finite v, any positive
-        finite scale.
-
-        The quotient without an IEEE division a value: with r = 1 / b correctly rounded (once a row),
-        q = a * r is within an ulp of a / b, and q + (a - q * b) * r, in two FMAs (the residual exact), is
-        a / b correctly rounded (Markstein's theorem) while nothing under- or overflows. So b is the scale brought into [2^-85, 2^64] by a power of two k, a = |v| * k,
-        at most 1024 b (a quotient past 448 saturates either way): the same quotient, each product exact
-        wherever the quotient can round to a nonzero e4m3 value (above 2^-10). v's sign is put back by
-        bits, so that -0 stays -0."""
-        k = tl.where(scale < 5.421010862427522e-20, 18446744073709551616.0,  # below 2^-64: times 2^64
-                     tl.where(scale > 18446744073709551616.0, 5.421010862427522e-20, 1.0))  # above 2^64: 2^-64
-        b = scale * k
-        r = tl.math.div_rn(1.0, b)
-        a = tl.minimum(tl.abs(v) * k, 1024.0 * b)
-        q = a * r
-        q = tl.math.fma(tl.math.fma(-q, b, a), r, q)
-        sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
-        signed = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        return _round_e4m3(tl.minimum(tl.maximum(signed, -448.0), 448.0))
+        """v / scale correctly rounded, saturated at +-448, rounded to e4m3 (as fp32)."""
+        return _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
 
     @triton.jit
     def _quantize_row(y, q_row_ptr, scale_ptr, cols, mask):
