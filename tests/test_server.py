@@ -499,6 +499,22 @@ def test_payload_limit_from_content_length_before_reading_the_body(server):
         assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
 
 
+@pytest.mark.parametrize("times_the_limit", [1.5, 4])
+def test_a_client_that_uploads_before_reading_gets_its_413_up_to_4x_the_limit(server, times_the_limit):
+    """urllib sends no `Expect: 100-continue` and asks `Connection: close`: it writes the whole body, then
+    reads. The server reads (and discards) bodies up to 4x the limit (1 MiB here) before answering, so
+    closing after the 413 never resets the upload; beyond that a reset is documented (docs/server.md)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.url + GENERATIONS, data=b" " * int(times_the_limit * 2**20),
+                                     headers={**AUTH, "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answered:
+        urllib.request.urlopen(request, timeout=60)
+    assert answered.value.code == 413
+    assert json.loads(answered.value.read())["error"]["type"] == "payload_too_large"
+
+
 def test_payload_limit_while_streaming(http):
     def chunks():  # chunked transfer: no Content-Length to check up front
         for _ in range(12):

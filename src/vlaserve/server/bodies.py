@@ -20,25 +20,41 @@ INLINE_JSON_BYTES = 64 * 1024
 INLINE_MSGPACK_BYTES = 2**20
 INLINE_MSGPACK_CONTAINERS = 1024
 
+# How much of a body over the payload limit is read (and discarded) before its 413, in payload limits.
+DRAIN_FACTOR = 4
+
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The whole body, or 413 past `limit` bytes, or 408 when it takes longer than `timeout_s`
-    (a client that sends a body slowly, or stops half-way, would otherwise hold its slot forever)."""
+    (a client that sends a body slowly, or stops half-way, would otherwise hold its slot forever).
+
+    A body over the limit is read to its end and discarded before the 413, as long as it stays
+    within DRAIN_FACTOR limits: most HTTP clients (urllib, requests, httpx) upload the whole body
+    before reading anything, and a connection closed under their upload resets, losing the answer.
+    Past that bound the 413 goes out at once and the client may see a reset instead."""
     too_large = ApiError(413, "payload_too_large", f"the request body exceeds {limit} bytes (--max-payload-mb)")
+    drain_limit = DRAIN_FACTOR * limit
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdigit() and int(declared) > drain_limit:
         raise too_large
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > limit:
+                if size > drain_limit:
                     raise too_large
-                chunks.append(chunk)
+                if size > limit:
+                    chunks.clear()  # discarded: only read so that the client gets to read its 413
+                else:
+                    chunks.append(chunk)
     except TimeoutError:
+        if size > limit:
+            raise too_large from None
         raise ApiError(408, "request_timeout", f"the request body took longer than {timeout_s:g} s "
                                                "(--body-timeout-s)") from None
+    if size > limit:
+        raise too_large
     return b"".join(chunks)
 
 

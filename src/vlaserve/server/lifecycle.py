@@ -27,13 +27,11 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .bodies import DRAIN_FACTOR
 from .guard import error_body
 from .sessions import Sessions
 
 log = logging.getLogger(__name__)
-
-# How much of an answered request's remaining body is read and discarded, in payload limits.
-DRAIN_FACTOR = 4
 
 
 def _canned_503() -> bytes:
