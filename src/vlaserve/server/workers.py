@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from .orphans import die_with_parent
 from .schema import ApiError
 
 
@@ -25,7 +27,9 @@ class Workers:
         self.max_pending = max_pending
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="vlaserve-work")
         # spawn, not fork: the parent holds torch's threads and the model; the child imports codec only.
-        self._processes = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        # The child dies with this process (server.orphans): a SIGKILLed server leaves nothing behind.
+        self._processes = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=die_with_parent, initargs=(os.getpid(),))
         self._pending = 0
 
     def start(self) -> None:
