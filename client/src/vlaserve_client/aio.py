@@ -50,7 +50,7 @@ class AsyncClient:
         s = self.settings
         try:
             ws = await connect(self.url, additional_headers=auth_headers(s.api_key), open_timeout=s.connect_timeout,
-                               max_size=s.max_frame_bytes, compression=None)
+                               close_timeout=s.close_timeout, max_size=s.max_frame_bytes, compression=None)
         except InvalidStatus as e:
             raise refused_key(e, self.url) from None
         try:

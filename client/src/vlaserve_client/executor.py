@@ -13,6 +13,12 @@ the new chunk's first d actions equal the ones the robot is executing meanwhile,
 h steps: the switch is smooth as long as d' <= d. If d exceeds what is left of the old chunk, the
 prev_chunk sent is padded with the action the robot will hold meanwhile (see on_underrun). Without RTC the same indices are used (the
 actions for ticks already past are skipped), but the two chunks need not agree at the switch.
+
+Freshness: an observation is read only on a tick when its request can go out at once (connected,
+nothing in flight), and is dropped unsent if the worker could not send it within one control
+period. While the server is unreachable no observation is read: the robot runs out its chunk and
+holds (on_underrun) while the worker probes the server; the first tick after it is back reads a
+fresh one. A reply whose observation is older than `max_staleness_s` when it arrives is dropped.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .protocol import ClientError, RtcNotSupported, ServerError
+from .protocol import ClientError, RtcNotSupported, ServerError, backoff_delays
 
 log = logging.getLogger(__name__)
 
 UNDERRUN_POLICIES = ("repeat", "hold")
+CLOSE_WAIT_S = 1.0  # close() waits this long for the worker (longer only inside a connect to a silent host)
 
 
 class ExecutorError(ClientError):
@@ -48,10 +55,11 @@ class ExecutorStats:
     rtc_requests: int = 0          # of which carried RTC guidance
     underrun_ticks: int = 0        # ticks with no planned action left (served by the underrun policy)
     late_replies: int = 0          # replies that came after the previous chunk had run out
-    stale_replies: int = 0         # replies so late that every action in them was already past (dropped)
+    stale_dropped: int = 0         # observations too old to act on: unsent past one tick, or replies past max_staleness_s
     delay_underestimates: int = 0  # replies used at a later index than the inference_delay sent
-    connection_failures: int = 0   # requests that failed on the network (lost, timed out, refused)
-    reconnects: int = 0
+    connection_failures: int = 0   # requests that failed on the network (lost, timed out)
+    reconnects: int = 0            # outages ended by a new connection
+    outage_ticks: int = 0          # ticks served while disconnected (no request could go out)
     inference_delay: int = 0       # current estimate, in ticks
     last_round_trip_ms: float | None = None
     max_round_trip_ms: float | None = None
@@ -62,15 +70,21 @@ class ExecutorStats:
 @dataclass(frozen=True)
 class ExecutorEvent:
     tick: int
-    kind: str  # switch, underrun, stale_reply, connection_failed, reconnected, rtc_disabled
+    kind: str  # switch, underrun, stale_dropped, connection_failed, reconnected, rtc_disabled
     detail: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Outage:
+    tick: int     # the tick being served when the connection was found lost
+    time: float
 
 
 @dataclass
 class _Request:
     observation: dict
     tick: int
-    time: float
+    time: float                   # when the observation was read (the executor's clock)
     remainder: np.ndarray | None  # the planned actions from `tick` on; None once the chunk ran out
     held_action: np.ndarray       # the action served on `tick` (what "repeat" repeats)
 
@@ -92,13 +106,15 @@ class ActionChunkExecutor:
       on_underrun         "repeat": the last action again; "hold": `hold_action` (e.g. zero velocity).
       delay_margin_ticks  added to the measured delay, for jitter.
       delay_window        the delay is the largest of the last this-many round trips.
+      max_staleness_s     a reply whose observation is older than this when it arrives is dropped.
+                          Default: the chunk's span (horizon / control_hz).
       max_guidance_weight, schedule, num_inference_steps: passed to the server as given.
       clock               seconds, monotonic (tests inject a fake one).
     """
 
     def __init__(self, client, *, control_hz: float, execution_horizon: int | None = None, rtc: bool = True,
                  on_underrun: str = "repeat", hold_action=None, delay_margin_ticks: int = 1,
-                 delay_window: int = 10, max_guidance_weight: float | None = None, schedule: str | None = None,
+                 delay_window: int = 10, max_staleness_s: float | None = None, max_guidance_weight: float | None = None, schedule: str | None = None,
                  num_inference_steps: int | None = None, max_events: int = 1000,
                  clock: Callable[[], float] = time.monotonic):
         if not control_hz > 0:
@@ -109,6 +125,8 @@ class ActionChunkExecutor:
             raise ValueError("on_underrun='hold' needs hold_action (the action to send while starved)")
         if delay_margin_ticks < 0 or delay_window < 1:
             raise ValueError("delay_margin_ticks must be >= 0 and delay_window >= 1")
+        if max_staleness_s is not None and not max_staleness_s > 0:
+            raise ValueError(f"max_staleness_s must be > 0, got {max_staleness_s!r}")
         self.client = client
         self.control_hz = float(control_hz)
         self.on_underrun = on_underrun
@@ -119,6 +137,7 @@ class ActionChunkExecutor:
                                                 ("schedule", schedule)) if v is not None}
         self._num_inference_steps = num_inference_steps
         self._want_rtc = rtc
+        self._max_staleness_s = max_staleness_s
         self._clock = clock
         self._ages = collections.deque(maxlen=delay_window)  # observation -> chunk available, seconds
         self._first_age: float | None = None
@@ -133,6 +152,7 @@ class ActionChunkExecutor:
         self._in_flight = False        # a request is pending or running; at most one at a time
         self._pending: _Request | None = None
         self._underrun = False
+        self._outage: _Outage | None = None  # set while disconnected: no request can go out
         self._error: BaseException | None = None
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -150,6 +170,8 @@ class ActionChunkExecutor:
         if not 1 <= h <= self.horizon:
             raise ValueError(f"execution_horizon must be in 1..{self.horizon} (the chunk length), got {h}")
         self.execution_horizon = int(h)
+        if self._max_staleness_s is None:
+            self._max_staleness_s = self.horizon / self.control_hz
         if self._hold_action is not None and self._hold_action.shape != (self.action_dim,):
             raise ValueError(f"hold_action must have shape [{self.action_dim}], got {list(self._hold_action.shape)}")
         self._stats.rtc_active = self._want_rtc
@@ -164,7 +186,6 @@ class ActionChunkExecutor:
         reply = self.client.infer(_snapshot(_read(observation)), num_inference_steps=self._num_inference_steps)
         self._first_age = self._clock() - started
         self._check_shape(reply.actions)
-        self._connects = self.client.connects
         with self._lock:
             self._chunk, self._chunk_start = reply.actions, 0
             self._stats.chunks = self._stats.requests = 1
@@ -179,12 +200,14 @@ class ActionChunkExecutor:
         return reply.actions
 
     def close(self) -> None:
+        """Stops the requests: returns within about a second, even with the server gone, and nothing
+        is sent after it (a request not yet sent is dropped, one in flight abandoned)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         self.client.close()  # wakes a worker blocked on the socket
         if self._worker is not None:
-            self._worker.join(timeout=self.client.settings.timeout + 1.0)
+            self._worker.join(timeout=CLOSE_WAIT_S)
 
     def __enter__(self) -> ActionChunkExecutor:
         return self
@@ -205,11 +228,13 @@ class ActionChunkExecutor:
             if self._chunk is None:
                 raise RuntimeError("call start(observation) before get_action")
             tick, index = self._tick, self._tick - self._chunk_start
-            request_due = not self._in_flight and self.horizon - index <= self.execution_horizon
+            request_due = (not self._in_flight and self._outage is None
+                           and self.horizon - index <= self.execution_horizon)
             if request_due and observation is None:
                 raise ValueError(f"tick {tick} starts a request: pass the observation to get_action")
             self._tick += 1
             self._stats.ticks += 1
+            self._stats.outage_ticks += self._outage is not None
             if index < self.horizon:
                 action = self._chunk[index]
             else:
@@ -250,22 +275,61 @@ class ActionChunkExecutor:
 
     # ---- the worker ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while self._pending is None and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    return
-                request, self._pending = self._pending, None
-                delay = self._delay_ticks()
-            try:
-                self._fetch(request, delay)
-            except BaseException as e:  # a bug or a refusal: stop and let get_action report it
-                if not self._closed:
-                    log.error("chunk requests stopped: %s", e)
+        try:
+            while True:
+                with self._lock:
+                    while self._pending is None and self._outage is None and not self._closed:
+                        self._lock.wait()
+                    if self._closed:
+                        return
+                    request, self._pending = self._pending, None
+                    if request is not None and self._too_old_to_send(request):
+                        continue
+                    delay = self._delay_ticks()
+                if self._outage is not None:
+                    self._reconnect()
+                else:
+                    self._fetch(request, delay)
+        except BaseException as e:  # a bug or a refusal: stop and let get_action report it
+            if not self._closed:
+                log.error("chunk requests stopped: %s", e)
                 with self._lock:
                     self._error = e
-                return
+        finally:
+            if self._closed:
+                self.client.close()  # a connection opened while close() ran
+
+    def _too_old_to_send(self, request: _Request) -> bool:
+        """Drops a request the worker took more than one control period after its observation was
+        read (the worker was slow to wake, or busy): the next tick reads a fresh one."""
+        age = self._clock() - request.time
+        if age * self.control_hz <= 1 + 1e-6:
+            return False
+        self._in_flight = False
+        self._stats.stale_dropped += 1
+        self._event(self._tick, "stale_dropped", stage="unsent", age_ms=round(age * 1e3, 3))
+        return True
+
+    def _reconnect(self) -> None:
+        """Probes the server (one handshake each, backing off up to the client's backoff_max) until
+        it answers or close() is called. Nothing is queued meanwhile."""
+        s = self.client.settings
+        for delay in backoff_delays(s.backoff_initial, s.backoff_max):
+            try:
+                self.client.connect(retry=False)
+            except ConnectionError:
+                with self._lock:
+                    if self._lock.wait_for(lambda: self._closed, timeout=delay):
+                        return
+                continue
+            with self._lock:
+                outage, self._outage = self._outage, None
+                self._in_flight = False
+                self._stats.reconnects += 1
+                self._event(self._tick, "reconnected", outage_ticks=self._tick - outage.tick,
+                            outage_ms=round((self._clock() - outage.time) * 1e3, 3))
+            log.warning("reconnected to %s after %.2f s", self.client.url, self._clock() - outage.time)
+            return
 
     def _fetch(self, request: _Request, delay: int) -> None:
         rtc = None
@@ -277,13 +341,14 @@ class ActionChunkExecutor:
             self._stats.requests += 1
             self._stats.rtc_requests += rtc is not None
         try:
-            reply = self.client.infer(request.observation, rtc=rtc, num_inference_steps=self._num_inference_steps)
+            reply = self.client.infer(request.observation, rtc=rtc, num_inference_steps=self._num_inference_steps,
+                                      reconnect=False)
         except (ServerError, RtcNotSupported) as e:
             if rtc is None or not _is_rtc_refusal(e):
                 raise
             self._disable_rtc(str(e))
-            with self._lock:  # the same request again, without guidance
-                self._pending = request
+            with self._lock:  # the next tick asks again, without guidance, with a fresh observation
+                self._in_flight = False
             return
         except (ConnectionError, TimeoutError, OSError) as e:
             if self._closed:
@@ -291,8 +356,9 @@ class ActionChunkExecutor:
             with self._lock:
                 self._stats.connection_failures += 1
                 self._event(self._tick, "connection_failed", error=str(e))
-                self._in_flight = False  # the next tick asks again, with a fresh observation
-            log.warning("chunk request failed (%s); retrying from the next tick", e)
+                self._outage = _Outage(self._tick, self._clock())
+                self._in_flight = False
+            log.warning("chunk request failed (%s); holding the chunk while the server is probed", e)
             return
         self._install(request, reply.actions, None if rtc is None else rtc["inference_delay"])
 
@@ -303,15 +369,11 @@ class ActionChunkExecutor:
             self._record_round_trip(age)
             self._ages.append(age)
             self._stats.inference_delay = self._delay_ticks()
-            if self.client.connects != self._connects:
-                self._stats.reconnects += self.client.connects - self._connects
-                self._connects = self.client.connects
-                self._event(self._tick, "reconnected")
             self._in_flight = False
             index = self._tick - request.tick  # the next tick's index in the new chunk
-            if index >= self.horizon:
-                self._stats.stale_replies += 1
-                self._event(self._tick, "stale_reply", ticks_late=index - self.horizon + 1)
+            if index >= self.horizon or age > self._max_staleness_s:
+                self._stats.stale_dropped += 1
+                self._event(self._tick, "stale_dropped", stage="reply", age_ms=round(age * 1e3, 3), index=index)
                 return
             late = self._underrun
             self._stats.late_replies += late

@@ -222,14 +222,17 @@ class ConnectionSettings:
     api_key: str | None = None
     timeout: float = 10.0           # per request: send -> reply
     connect_timeout: float = 5.0    # one handshake + metadata frame
+    close_timeout: float = 0.5      # close() waits this long for the server's half of the closing handshake
     reconnect_timeout: float = 30.0  # keep retrying a refused/failed connect this long, then raise
-    backoff_initial: float = 0.1
-    backoff_max: float = 2.0
+    backoff_initial: float = 0.05
+    # A short cap: a refused connect costs the server nothing, and a restarted one is found within it.
+    backoff_max: float = 0.25
     max_frame_bytes: int = 64 * 2**20
 
     def __post_init__(self):
         protocol_named(self.protocol)
-        for name in ("timeout", "connect_timeout", "reconnect_timeout", "backoff_initial", "backoff_max"):
+        for name in ("timeout", "connect_timeout", "close_timeout", "reconnect_timeout", "backoff_initial",
+                     "backoff_max"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -250,6 +253,16 @@ def retry_delay(error: Exception, delay: float, deadline: float, url: str, recon
                               f"{type(error).__name__}: {error}") from error
     log.info("connect to %s failed (%s); retrying in %.2f s", url, error, delay)
     return delay
+
+
+def refused_attempt(error: Exception, url: str) -> Exception:
+    """One failed connection attempt as ConnectionError (for a caller that paces its own retries);
+    a bad URL is raised as itself: no retry will fix it."""
+    from websockets.exceptions import InvalidURI
+
+    if isinstance(error, InvalidURI):
+        return error
+    return ConnectionError(f"cannot connect to {url}: {type(error).__name__}: {error}")
 
 
 def refused_key(error: Exception, url: str) -> Exception:

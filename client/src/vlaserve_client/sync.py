@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from .protocol import (RETRYABLE, refused_key, retry_delay, AuthenticationError, BatchError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
+from .protocol import (RETRYABLE, refused_attempt, refused_key, retry_delay, AuthenticationError, BatchError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
                        backoff_delays, parse_metadata, protocol_named, websocket_url)
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,10 @@ class Client:
     def connected(self) -> bool:
         return self._ws is not None
 
-    def connect(self) -> dict:
+    def connect(self, *, retry: bool = True) -> dict:
         """Opens the socket and reads the metadata frame, retrying refused or failed attempts with
-        exponential backoff for up to `reconnect_timeout` seconds. Returns the metadata."""
+        exponential backoff for up to `reconnect_timeout` seconds. Returns the metadata.
+        `retry=False`: one attempt, raising ConnectionError when it fails (the caller paces retries)."""
         if self._ws is not None:
             return self._metadata
         s = self.settings
@@ -54,6 +55,8 @@ class Client:
             except AuthenticationError:
                 raise
             except (*RETRYABLE, WebSocketException) as e:
+                if not retry:
+                    raise refused_attempt(e, self.url) from e
                 time.sleep(retry_delay(e, delay, deadline, self.url, s.reconnect_timeout))
 
     def _open(self) -> dict:
@@ -61,8 +64,8 @@ class Client:
         stack = ExitStack()
         try:
             ws = stack.enter_context(connect(self.url, additional_headers=auth_headers(s.api_key),
-                                             open_timeout=s.connect_timeout, max_size=s.max_frame_bytes,
-                                             compression=None))
+                                             open_timeout=s.connect_timeout, close_timeout=s.close_timeout,
+                                             max_size=s.max_frame_bytes, compression=None))
         except InvalidStatus as e:
             raise refused_key(e, self.url) from None
         with stack:  # closes the socket if the metadata frame does not come
@@ -87,12 +90,14 @@ class Client:
         return self.connect()
 
     def infer(self, observation: Mapping, *, rtc: Mapping | None = None, seed: int | None = None,
-              num_inference_steps: int | None = None) -> Reply:
+              num_inference_steps: int | None = None, reconnect: bool = True) -> Reply:
         """One action chunk for `observation` ({"images": {camera: HxWx3}, "state": [...], "task": str}).
         `rtc`: {"prev_chunk": [T, action_dim], "space": "action", "inference_delay", "execution_horizon", …}.
-        Raises ServerError (naming the field) when the server refuses the request."""
+        `reconnect=False`: raise ConnectionLost instead of reconnecting first when disconnected (the
+        observation would be old by the time a reconnect ends). Raises ServerError (naming the field)
+        when the server refuses the request."""
         frame = self.protocol.encode(observation, rtc, seed, num_inference_steps)
-        answer, round_trip_ms = self._round_trip(frame)
+        answer, round_trip_ms = self._round_trip(frame, reconnect)
         try:
             actions, timing = self.protocol.decode(answer)
         except ServerError:
@@ -117,10 +122,13 @@ class Client:
             raise BatchError(replies, errors)
         return replies
 
-    def _round_trip(self, frame: bytes) -> tuple[object, float]:
+    def _round_trip(self, frame: bytes, reconnect: bool = True) -> tuple[object, float]:
         """Sends one frame and waits for its answer: (answer, round trip in ms)."""
-        self.connect()
+        if reconnect:
+            self.connect()
         ws = self._ws
+        if ws is None:
+            raise ConnectionLost(f"not connected to {self.url} (and told not to reconnect)")
         started = time.perf_counter()
         try:
             ws.send(frame)
