@@ -7,6 +7,7 @@ Liveness tests (rows 7, 9) use generous bounded waits: they check that something
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import socket
@@ -179,6 +180,13 @@ def test_row7_health_answers_while_a_48_mb_json_image_decodes(server, http):
 
 # ---- row 8: shutdown answers in-flight websocket requests -------------------------------------------------
 @pytest.mark.slow  # two 100-step requests in flight
+def _inferences_in_flight(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    match = re.search(r"^vlaserve_inferences_in_flight (\S+)$", text, re.M)
+    assert match, "/metrics has no vlaserve_inferences_in_flight gauge"
+    return float(match[1])
+
+
 def test_row8_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     obs, noise = make_observation(7, cameras=("base_0_rgb",), size=(24, 24)), make_noise(7)
@@ -210,11 +218,13 @@ def test_row8_sigterm_answers_in_flight_websocket_requests_then_closes_1012(gold
             clients = [threading.Thread(target=f) for f in (realtime, openpi)]
             for c in clients:
                 c.start()
-            # Bounded poll until both requests are inside the server (queued or running).
-            for _ in range(3000):
-                if "vlaserve_inferences_in_flight 2.0" in httpx.get(proc.url + "/metrics").text:
-                    break
-                assert all(c.is_alive() for c in clients)
+            # Wait (paced, bounded) until both requests are inside the server, queued or running: the
+            # SIGTERM must find them in flight, or this test proves nothing.
+            deadline = time.monotonic() + 120
+            while _inferences_in_flight(proc.url) < 2:
+                assert not replies and all(c.is_alive() for c in clients), "a request ended before the SIGTERM"
+                assert time.monotonic() < deadline, "the two requests were never in flight together"
+                time.sleep(0.05)
             proc.proc.send_signal(signal.SIGTERM)
             for c in clients:
                 c.join(timeout=120)

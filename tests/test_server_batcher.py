@@ -7,6 +7,8 @@ follow are formed from a known queue rather than from timing luck.
 from __future__ import annotations
 
 import asyncio
+import queue
+import sys
 import threading
 import time
 
@@ -439,6 +441,24 @@ def _request(seed: int, client=None):
     return request
 
 
+async def _until_idle(batcher: Batcher, timeout: float = 10.0) -> None:
+    """Waits (a liveness bound only) until nothing is in flight and the launch thread is parked on its
+    queue: the state in which a lone request is launched directly."""
+    deadline = time.monotonic() + timeout
+    while not (batcher.clock.idle() and _parked_on_its_queue(batcher)):
+        assert time.monotonic() < deadline, "the batcher never went idle"
+        await asyncio.sleep(0.001)
+
+
+def _parked_on_its_queue(batcher: Batcher) -> bool:
+    frame = sys._current_frames().get(batcher._launcher.ident)
+    while frame is not None:
+        if frame.f_code is queue.Queue.get.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_lone_request_on_an_idle_device_is_launched_by_the_thread_that_submits_it(direct):
     """With direct_launch, a lone request that would run at once is launched by the submitting thread
@@ -447,7 +467,13 @@ def test_a_lone_request_on_an_idle_device_is_launched_by_the_thread_that_submits
     batcher = Batcher(device, max_batch_size=8, direct_launch=direct)
 
     async def scenario():
-        return [await batcher.submit(_request(seed)) for seed in (1, 2, 3)]
+        answers = []
+        for seed in (1, 2, 3):
+            # An answer reaches the caller before the device clock counts its batch done, and the
+            # launch thread takes a moment to park again: submit only once both are idle.
+            await _until_idle(batcher)
+            answers.append(await batcher.submit(_request(seed)))
+        return answers
 
     try:
         answers = asyncio.run(scenario())
