@@ -283,8 +283,6 @@ class ActionChunkExecutor:
                     if self._closed:
                         return
                     request, self._pending = self._pending, None
-                    if request is not None and self._too_old_to_send(request):
-                        continue
                     delay = self._delay_ticks()
                 if self._outage is not None:
                     self._reconnect()
@@ -300,12 +298,11 @@ class ActionChunkExecutor:
                 self.client.close()  # a connection opened while close() ran
 
     def _too_old_to_send(self, request: _Request) -> bool:
-        """Drops a request the worker took more than one control period after its observation was
+        """Drops a request about to go out more than one control period after its observation was
         read (the worker was slow to wake, or busy): the next tick reads a fresh one."""
         age = self._clock() - request.time
         if age * self.control_hz <= 1 + 1e-6:
             return False
-        self._in_flight = False
         self._stats.stale_dropped += 1
         self._event(self._tick, "stale_dropped", stage="unsent", age_ms=round(age * 1e3, 3))
         return True
@@ -338,6 +335,9 @@ class ActionChunkExecutor:
             rtc = {"prev_chunk": prev, "space": "action", "inference_delay": min(delay, len(prev)),
                    "execution_horizon": max(self.execution_horizon, len(prev)), **self._rtc_options}
         with self._lock:
+            if self._closed or self._too_old_to_send(request):
+                self._in_flight = False
+                return
             self._stats.requests += 1
             self._stats.rtc_requests += rtc is not None
         try:
