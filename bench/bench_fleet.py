@@ -20,6 +20,14 @@ batch times and these robots' phases (fleet_model.py): a p99 above it is the ser
 a target the device's; how many keep-warm rehearsals ran (`--serve-args "--no-keep-warm"`: none) and how many
 requests were launched directly (`--no-direct-launch`: none). Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
 checkpoint on the CPU to 1 and 2 robots for a second each.
+
+    python bench/bench_fleet.py --chaos [--robots 16] [--hz 4] [--seconds 8] ...
+
+--chaos (fleet_chaos.py): the robots run ActionChunkExecutor at --hz (the first of each list) for --seconds,
+the server is SIGKILLed and restarted on the same port, then stopped with SIGTERM. Reports each robot's
+gap without fresh actions (p50, max), the restart time, the first fresh chunk after ready, the ages of
+the observations sent, leftover processes and close() times; writes bench_fleet_chaos[_LABEL].json and
+.png. With --smoke: the demo checkpoint on the CPU, 4 robots at 20 Hz.
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (bench_checkpoint, log, parser, percentiles, pyplot, robot_observation, save_json, save_png,
-                    start_server, stop_server, wait_until_healthy)
+from common import (bench_checkpoint, free_port, log, parser, percentiles, pyplot, robot_observation, save_json,
+                    save_png, start_server, stop_server, wait_until_healthy)
 from fleet_model import batch_times, ideal_latencies, other_fleets_p99
 
 # Batched and single answers of one robot differ by bf16 rounding (~1e-2 at full size); different robots'
@@ -190,7 +198,10 @@ def main() -> None:
                     help="the server: vlaserve serve, or the Ray Serve app (vlaserve[ray])")
     ap.add_argument("--frame", default="224x224", help="camera frame HxW (other than 224x224: resized by the server)")
     ap.add_argument("--label", default="")
+    ap.add_argument("--chaos", action="store_true", help="kill, restart and stop the server under robots (see above)")
     args = ap.parse_args()
+    if args.chaos:
+        return chaos(args)
     if args.smoke:
         args.device, args.robots, args.hz, args.paced_robots, args.seconds = "cpu", "1,2", "2", "2", 1.0
     alone_calls = 3 if args.smoke else 40
@@ -274,6 +285,29 @@ def main() -> None:
     stem = f"bench_fleet{'_' + args.label if args.label else ''}"
     save_json(results, args.out, stem)
     plot(results, args.out, stem)
+
+
+def chaos(args) -> None:
+    from fleet_chaos import plot_chaos, run_chaos
+
+    if args.smoke:
+        args.device, args.robots, args.hz, args.seconds = "cpu", "4", "20", 2.0
+        args.checkpoint = args.checkpoint or "demo-pi05"
+    workdir = Path(tempfile.mkdtemp(prefix="bench_fleet_chaos-"))
+    checkpoint = args.checkpoint or bench_checkpoint(args.smoke, args.device, workdir)
+    port, logs = free_port(), []
+
+    def start():
+        logs.append(workdir / f"server{len(logs)}.log")
+        return start_server(args.command, checkpoint, ["--device", args.device, "--warmup", "blocking",
+                                                       *args.serve_args.split()], logs[-1], port=port)[0]
+
+    results = {"device": args.device, "smoke": args.smoke, "command": args.command, "serve_args": args.serve_args,
+               "checkpoint": str(checkpoint), "seconds": args.seconds}
+    results["chaos"] = run_chaos(start, port, int(args.robots.split(",")[0]), float(args.hz.split(",")[0]), args.seconds)
+    stem = f"bench_fleet_chaos{'_' + args.label if args.label else ''}"
+    save_json(results, args.out, stem)
+    save_png(plot_chaos(results, pyplot()), args.out, stem)
 
 
 def add_floors(results: dict, max_batch: int, seconds: float) -> None:

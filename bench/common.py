@@ -307,9 +307,10 @@ def server_env(**extra: str) -> dict:
 
 
 def start_server(command: str, checkpoint: Path | None, options: list[str], log_path: Path,
-                 env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    """`vlaserve COMMAND [CHECKPOINT] --port P OPTIONS` as a fresh process, its output in `log_path`."""
-    port = free_port()
+                 env: dict | None = None, port: int | None = None) -> tuple[subprocess.Popen, int]:
+    """`vlaserve COMMAND [CHECKPOINT] --port P OPTIONS` as a fresh process, its output in `log_path`;
+    P is a free port unless given (a restart on the same one)."""
+    port = port or free_port()
     args = [sys.executable, "-m", "vlaserve.cli", command, *([str(checkpoint)] if checkpoint else []),
             "--port", str(port), *options]
     with open(log_path, "wb") as out:

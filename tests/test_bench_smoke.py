@@ -169,7 +169,7 @@ SMOKE = {
     "bench_ray": check_bench_ray, "bench_encoded": check_bench_encoded,
 }
 # Modules the scripts import, not scripts.
-LIBRARIES = {"common", "fleet_model"}
+LIBRARIES = {"common", "fleet_chaos", "fleet_model"}
 SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray"}
 
 
