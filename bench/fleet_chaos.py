@@ -3,7 +3,9 @@ while the server is SIGKILLed, restarted on the same port, then stopped with SIG
 
 What it records, as the robots and the process table see it:
 - each robot's longest gap without fresh actions (between two chunks it switched to, at tick granularity),
-- the restart time (kill -> /healthz 200) and each robot's first fresh chunk after that (its reply time),
+- the restart time (kill -> /healthz 200) and each robot's first fresh chunk in use after that (at tick
+  granularity; and when its first request after the outage left: the robot's own share, the rest is
+  the server's round trip),
 - every request's observation age when it was sent (read -> handed to the socket), and how many
   observations read before the server was back were sent after it (must be none),
 - the server's descendant processes still alive after the kill and after the SIGTERM exit,
@@ -189,12 +191,17 @@ def summarize(fleet, hz, killed, ready, after_kill, after_term, exit_code, close
     per_robot = []
     for robot in fleet:
         gaps = np.diff(robot.installs)
-        fresh = [answered for read, sent, answered in robot.client.sends if answered is not None and read >= ready]
+        # The first request after the outage (the restarted server may take it before /healthz says ready:
+        # then the robot's share is 0), and the first chunk after ready that came into use.
+        first_send = min((sent for read, sent, _ in robot.client.sends if read >= killed), default=None)
+        fresh = [t for t in robot.installs if t >= ready]
         after_outage = [(read, sent) for read, sent, _ in robot.client.sends if sent >= killed]
         stats = robot.executor.stats
         per_robot.append({
             "max_gap_s": float(gaps.max()) if len(gaps) else None,
             "first_fresh_chunk_after_ready_s": min(fresh) - ready if fresh else None,
+            # the robot's own share of that: found the server and sent a fresh observation
+            "first_fresh_send_after_ready_s": max(0.0, first_send - ready) if first_send is not None else None,
             "sent_after_kill": len(after_outage),
             "read_before_ready_sent_after": sum(1 for read, sent in after_outage if read < ready <= sent),
             "max_send_age_ms": max(((sent - read) * 1e3 for read, sent, _ in robot.client.sends), default=None),
@@ -206,10 +213,13 @@ def summarize(fleet, hz, killed, ready, after_kill, after_term, exit_code, close
     gaps = [never if r["max_gap_s"] is None else r["max_gap_s"] for r in per_robot]
     fresh = [never if r["first_fresh_chunk_after_ready_s"] is None else r["first_fresh_chunk_after_ready_s"]
              for r in per_robot]
+    sends = [never if r["first_fresh_send_after_ready_s"] is None else r["first_fresh_send_after_ready_s"]
+             for r in per_robot]
     result = {
         "robots": len(fleet), "hz": hz, "restart_s": ready - killed,
         "gap_without_fresh_actions_s": {"p50": statistics.median(gaps), "max": max(gaps)},
         "fresh_chunk_after_ready_s": {"p50": statistics.median(fresh), "max": max(fresh)},
+        "fresh_send_after_ready_s": {"p50": statistics.median(sends), "max": max(sends)},
         "after_sigkill": after_kill, "after_sigterm": {**after_term, "exit_code": exit_code},
         "close_s_max": max(c["close_s"] for c in closes), "workers_alive_after_close": sum(c["worker_alive"] for c in closes),
         "per_robot": per_robot, "timeline": {"killed": 0.0, "ready": ready - killed,
@@ -217,7 +227,8 @@ def summarize(fleet, hz, killed, ready, after_kill, after_term, exit_code, close
     log(f"chaos: {len(fleet)} robots at {hz:g} Hz: restart {result['restart_s']:.2f} s, gap without fresh actions "
         f"p50 {result['gap_without_fresh_actions_s']['p50']:.2f} max {result['gap_without_fresh_actions_s']['max']:.2f} s, "
         f"fresh chunk after ready p50 {result['fresh_chunk_after_ready_s']['p50']:.2f} max "
-        f"{result['fresh_chunk_after_ready_s']['max']:.2f} s, close max {result['close_s_max'] * 1e3:.0f} ms, "
+        f"{result['fresh_chunk_after_ready_s']['max']:.2f} s (sent after p50 {result['fresh_send_after_ready_s']['p50']:.2f} "
+        f"max {result['fresh_send_after_ready_s']['max']:.2f} s), close max {result['close_s_max'] * 1e3:.0f} ms, "
         f"leftover processes {after_kill['left']} (SIGKILL) {after_term['left']} (SIGTERM)")
     return result
 

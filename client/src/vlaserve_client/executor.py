@@ -247,7 +247,8 @@ class ActionChunkExecutor:
                                 "repeating the last action" if self.on_underrun == "repeat" else "holding")
             if request_due:
                 remainder = self._chunk[index:] if index < self.horizon else None
-                self._pending = _Request(_snapshot(_read(observation)), tick, self._clock(), remainder, action)
+                read_at = self._clock()  # before the read: the observation is at least this fresh
+                self._pending = _Request(_snapshot(_read(observation)), tick, read_at, remainder, action)
                 self._in_flight = True
                 self._lock.notify_all()
             self._last_action = action
