@@ -202,10 +202,11 @@ def test_fp32_set_is_openpis_at_full_size():
 
 # ---- LeRobot's main branch (issue 79 row 13) -------------------------------------------------------------
 def _config_with(tmp_path, **settings):
-    """A copy of the golden checkpoint's config.json with `settings` added (the config alone is read)."""
-    target = tmp_path / "ckpt"
+    """A copy of the golden checkpoint's config.json (and architecture.json) with `settings` added."""
+    target, source = tmp_path / "ckpt", fixture_dir("pi05_golden") / "checkpoint"
     target.mkdir()
-    config = json.loads((fixture_dir("pi05_golden") / "checkpoint" / "config.json").read_text())
+    shutil.copy(source / "architecture.json", target)
+    config = json.loads((source / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, **settings}))
     return target
 
