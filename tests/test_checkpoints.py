@@ -232,6 +232,7 @@ def test_those_features_switched_off_load_as_the_plain_model(tmp_path):
 def test_the_recorded_hub_id_is_read_from_repo_id_or_the_hub_cache_folder(tmp_path):
     assert load_policy_config(_config_with(tmp_path, repo_id="lerobot/pi05_base")).hub_id == "lerobot/pi05_base"
     cached = tmp_path / "hub" / "models--lerobot--pi05_libero" / "snapshots" / "0123abc"
+    (tmp_path / "x").mkdir()
     shutil.copytree(_config_with(tmp_path / "x"), cached)
     assert load_policy_config(cached).hub_id == "lerobot/pi05_libero"
     assert load_policy_config(fixture_dir("pi05_golden") / "checkpoint").hub_id is None  # repo_id null, no cache
