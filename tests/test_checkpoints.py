@@ -198,3 +198,41 @@ def test_fp32_set_is_openpis_at_full_size():
     assert not any("layer_norm" in n or "post_layernorm" in n for n in fp32)  # SigLIP LayerNorms are bf16
     assert param_dtype("vision.patch_embedding.weight", torch.bfloat16) == torch.float32
     assert param_dtype("expert.layers.0.input_layernorm.dense.weight", torch.bfloat16) == torch.float32
+
+
+# ---- LeRobot's main branch (issue 79 row 13) -------------------------------------------------------------
+def _config_with(tmp_path, **settings):
+    """A copy of the golden checkpoint's config.json (and architecture.json) with `settings` added."""
+    target, source = tmp_path / "ckpt", fixture_dir("pi05_golden") / "checkpoint"
+    target.mkdir()
+    shutil.copy(source / "architecture.json", target)
+    config = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **settings}))
+    return target
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"use_visual_memory": True, "memory_frames": 6, "memory_stride": 10}, "use_visual_memory"),
+    ({"use_proprioceptive_memory": True, "memory_frames": 6}, "use_proprioceptive_memory"),
+    ({"rtc_training_max_delay": 4}, "rtc_training_max_delay"),
+])
+def test_checkpoints_using_lerobot_main_only_features_are_refused_by_name(tmp_path, settings, named):
+    with pytest.raises(CheckpointError, match=named) as refused:
+        load_policy_config(_config_with(tmp_path, **settings))
+    assert "in no LeRobot release" in str(refused.value) and "does not support" in str(refused.value)
+
+
+def test_those_features_switched_off_load_as_the_plain_model(tmp_path):
+    """LeRobot's main branch writes the new settings into every pi05 config; off, the model is the released one."""
+    off = load_policy_config(_config_with(tmp_path, use_visual_memory=False, use_proprioceptive_memory=False,
+                                          memory_frames=None, memory_stride=None, rtc_training_max_delay=0))
+    assert off == load_policy_config(fixture_dir("pi05_golden") / "checkpoint")
+
+
+def test_the_recorded_hub_id_is_read_from_repo_id_or_the_hub_cache_folder(tmp_path):
+    assert load_policy_config(_config_with(tmp_path, repo_id="lerobot/pi05_base")).hub_id == "lerobot/pi05_base"
+    cached = tmp_path / "hub" / "models--lerobot--pi05_libero" / "snapshots" / "0123abc"
+    (tmp_path / "x").mkdir()
+    shutil.copytree(_config_with(tmp_path / "x"), cached)
+    assert load_policy_config(cached).hub_id == "lerobot/pi05_libero"
+    assert load_policy_config(fixture_dir("pi05_golden") / "checkpoint").hub_id is None  # repo_id null, no cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -133,18 +134,70 @@ STARTS_SERVER = re.compile(r"^[^#]*\bvlaserve serve\b", re.MULTILINE)
 def test_example_runs(example, demo_server, demo_env, tmp_path):
     if example.not_run:
         pytest.skip(f"not run: {example.not_run}")
-    code = EXAMPLE_PORT.sub(str(demo_server.port), example.code)
+    run_example(example, Path(sys.executable), demo_server.port, demo_env, tmp_path)
+
+
+def run_example(example: Example, python: Path, port: int, env: dict, tmp_path: Path) -> None:
+    code = EXAMPLE_PORT.sub(str(port), example.code)
     if example.language == "python":
         (tmp_path / "example.py").write_text(code)
-        command = [sys.executable, "example.py"]
+        command = [str(python), "example.py"]
     else:
         (tmp_path / "example.sh").write_text(BASH_PRELUDE + code)
         command = ["bash", "-e", "-o", "pipefail", "example.sh"]
-    run = subprocess.run(command, cwd=tmp_path, env=demo_env, capture_output=True, text=True)
-    report = f"{example.name} ({example.language}):\n{code}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
+    env = {**env, "PYTHON": str(python), "PATH": f"{python.parent}{os.pathsep}{env['PATH']}"}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    report = f"{example.name} ({example.language}, {python}):\n{code}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
     assert run.returncode == 0, report
     if example.language == "python":
         assert run.stderr == "", report
+        assert run.stdout.strip(), f"prints nothing, so it shows its reader nothing: {report}"
+
+
+# ---- each page's examples in the install the page names (issue 79: the test venv hid a missing httpx) ----------
+# A page names its install on a line of its own, `<!-- examples run in: pip install -e . httpx -->` (commands joined
+# by &&, run from the repository root); a page without one runs in the server's install, as the README gives it.
+INSTALL_MARK = re.compile(r"^<!-- examples run in: (?P<install>pip install .+?) -->$", re.MULTILINE)
+SERVER_INSTALL = "pip install -e ."
+# The README's CPU torch, installed first in every venv (the package index it names; a plain index gives CUDA's).
+CPU_TORCH = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+
+
+def page_install(path: Path) -> str:
+    marks = INSTALL_MARK.findall(path.read_text())
+    assert len(marks) <= 1, f"{path.name}: more than one install mark"
+    return marks[0] if marks else SERVER_INSTALL
+
+
+@pytest.fixture(scope="session")
+def page_venv(tmp_path_factory):
+    """The python of a fresh venv holding exactly CPU torch and the page's install (one venv per install)."""
+    made: dict[str, Path] = {}
+
+    def python_for(install: str) -> Path:
+        if install not in made:
+            root = tmp_path_factory.mktemp("venv")
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+            python = root / "bin" / "python"
+            pip = [str(python), "-m", "pip", "install", "-q"]
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this venv leaks in
+            commands = [pip + shlex.split(c.strip().removeprefix("pip install ")) for c in install.split("&&")]
+            if any(a == "-e" and b.split("[")[0] == "." for c in commands for a, b in zip(c, c[1:])):
+                commands.insert(0, pip + CPU_TORCH)  # the server's install: the README's CPU torch first
+            for command in commands:
+                done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+                assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            made[install] = python
+        return made[install]
+
+    return python_for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", [pytest.param(e, id=e.name) for e in EXAMPLES if not e.not_run])
+def test_example_runs_in_the_install_its_page_names(example, demo_server, demo_env, page_venv, tmp_path):
+    env = {k: v for k, v in demo_env.items() if k != "PYTHONPATH"}
+    run_example(example, page_venv(page_install(example.path)), demo_server.port, env, tmp_path)
 
 
 def test_documented_metrics_are_the_served_ones(demo_server):

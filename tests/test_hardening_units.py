@@ -25,7 +25,7 @@ from vlaserve.processing.layouts import KeyLayout
 from vlaserve.server.openpi import request_from_openpi
 from vlaserve.server.schema import ApiError, parse_generation
 
-METADATA = {"model": "m", "checkpoint": "/c", "cameras": ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"],
+METADATA = {"model": "m", "names": {"m", "/c"}, "cameras": ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"],
             "action_horizon": 50, "max_action_dim": 32, "action_dim": 14, "num_inference_steps": 10}
 
 

@@ -1,7 +1,7 @@
 """`vlaserve serve-ray`'s application on a local Ray cluster: 2 replicas of the tiny golden checkpoint
 (float32, CPU, half a CPU each). Answers are compared with an in-process `Policy.infer` with the same
 noise, as tests/test_server.py does for `vlaserve serve` (same tolerance, same reasons). Skipped
-when Ray is not installed (pip install "vlaserve[ray]").
+when Ray is not installed (pip install -e ".[ray]").
 
 The tests run in file order and share one cluster: the last two kill a replica and scale down.
 """

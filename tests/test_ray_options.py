@@ -64,7 +64,7 @@ def test_serve_ray_without_ray_says_how_to_install(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert main(["serve-ray", "--device", "cpu"]) == 2
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
-        'serve-ray needs Ray: pip install "vlaserve[ray]"']
+        'serve-ray needs Ray: pip install -e ".[ray]" in vlaserve\'s clone (or pip install "ray[serve]>=2.60")']
 
 
 def test_vlaserve_serve_never_imports_ray():

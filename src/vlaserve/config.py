@@ -75,6 +75,7 @@ class PolicyConfig:
     is_demo: bool = False  # architecture.json says "demo": true (the embedded random-weight demo)
     policy_type: str = "pi05"  # config.json's type: the policy family (vlaserve.family)
     max_state_dim: int = 32  # Pi0: the state token's input width (the normalized state is zero-padded to it)
+    hub_id: str | None = None  # the hub id the checkpoint records (config.json's repo_id, or its hub cache folder)
 
     @property
     def action_horizon(self) -> int:

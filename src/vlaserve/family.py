@@ -102,6 +102,7 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
     """Reads a LeRobot pi05 or pi0 `config.json` (+ optional `architecture.json`)."""
     cfg = _read_json(checkpoint_dir / "config.json")
     family = family_named(cfg.get("type", "pi05"), f"{checkpoint_dir}/config.json")
+    _refuse_unreleased_features(cfg, f"{checkpoint_dir}/config.json")
 
     features = cfg.get("input_features") or {}
     cameras = [k.split("observation.images.", 1)[1] for k, f in features.items()
@@ -151,4 +152,34 @@ def load_policy_config(checkpoint_dir: Path) -> PolicyConfig:
         is_demo=bool(arch and arch.get("demo")),
         policy_type=family.name,
         max_state_dim=max_state_dim,
+        hub_id=_recorded_hub_id(cfg, checkpoint_dir),
     )
+
+
+# Pi0.5 features of LeRobot's main branch that no release (0.6.1, what vlaserve matches) has: a checkpoint
+# trained with them switched on computes another function, so it is refused rather than served as plain pi05.
+UNRELEASED_FEATURES = {
+    "use_visual_memory": "observation memory (MEM) over past camera frames",
+    "use_proprioceptive_memory": "observation memory (MEM) over past states",
+    "rtc_training_max_delay": "training-time real-time chunking",
+}
+
+
+def _refuse_unreleased_features(cfg: dict, where: str) -> None:
+    used = [name for name in UNRELEASED_FEATURES if cfg.get(name)]  # false, 0 or null: off, the plain model
+    if used:
+        what = "; ".join(f"{name} ({UNRELEASED_FEATURES[name]})" for name in used)
+        raise CheckpointError(
+            f"{where} switches on {what}: a feature of LeRobot's main branch, in no LeRobot release, that vlaserve "
+            f"does not support (it serves what LeRobot 0.6.1 computes). Serve a checkpoint trained without it; "
+            f"inference-time real-time chunking needs no training flag (docs/client.md)")
+
+
+def _recorded_hub_id(cfg: dict, checkpoint_dir: Path) -> str | None:
+    """The hub id the checkpoint records: LeRobot's `repo_id` (written when it pushes to the hub), or the
+    Hugging Face cache's folder name (models--OWNER--NAME/snapshots/COMMIT)."""
+    repo_id = cfg.get("repo_id")
+    if isinstance(repo_id, str) and repo_id.strip():
+        return repo_id.strip()
+    cached = next((part for part in checkpoint_dir.resolve().parts if part.startswith("models--")), None)
+    return cached.removeprefix("models--").replace("--", "/", 1) if cached and "--" in cached[8:] else None

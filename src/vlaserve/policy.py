@@ -134,7 +134,8 @@ class Policy:
         """What the policy is and how it serves right now (fast path, cache stats, readiness are live)."""
         c, r = self.config, self.runtime
         return {
-            "model": self.name, "checkpoint": self.checkpoint, "is_demo": c.is_demo, "policy_type": c.policy_type,
+            "model": self.name, "checkpoint": self.checkpoint, "hub_id": c.hub_id, "is_demo": c.is_demo,
+            "policy_type": c.policy_type,
             "cameras": list(c.cameras), "state_dim": c.state_dim, "action_dim": c.action_dim,
             "action_horizon": c.action_horizon, "max_action_dim": c.model.max_action_dim,
             "max_token_len": c.max_token_len, "num_inference_steps": c.num_inference_steps,

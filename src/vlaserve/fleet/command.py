@@ -14,7 +14,7 @@ from .options import RAY_OPTIONS, RayOptionError, check_ray_options
 
 log = logging.getLogger("vlaserve")
 
-INSTALL_HINT = 'serve-ray needs Ray: pip install "vlaserve[ray]"'
+INSTALL_HINT = 'serve-ray needs Ray: pip install -e ".[ray]" in vlaserve\'s clone (or pip install "ray[serve]>=2.60")'
 # Ray Serve reads its session-id header name from this variable, in its proxy, at import.
 SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 # `vlaserve serve` options enforced by its own uvicorn protocol, which the Ray proxy replaces.
@@ -24,7 +24,7 @@ PROXY_OWNED = ("max_connections", "header_timeout_s")
 def add_parser(commands) -> None:
     """`vlaserve serve-ray`: every serve option plus the Ray keys."""
     parser = commands.add_parser(
-        "serve-ray", argument_default=argparse.SUPPRESS, help="serve replicas on Ray Serve (pip install vlaserve[ray])",
+        "serve-ray", argument_default=argparse.SUPPRESS, help="serve replicas on Ray Serve (the ray extra)",
         description="Serve a Pi0.5 checkpoint from N replicas on Ray Serve, with the routes of `vlaserve serve`. "
                     "Takes every serve option and config key, plus the Ray keys below (docs/ray.md).")
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",

@@ -125,8 +125,9 @@ class KeyLayout:
         name = camera_part(key)
         cameras = f"its cameras: {', '.join(self.cameras)}" + (
             f"; without an image so far: {', '.join(free)}" if len(free) < len(self.cameras) else "")
-        return InvalidObservation(key, f"maps to no camera of this checkpoint ({cameras}); map it with "
-                                       f"camera_aliases {{{name!r}: CAMERA}}, or {{{name!r}: null}} to ignore it"
+        return InvalidObservation(key, f"maps to no camera of this checkpoint ({cameras}); send it under one of "
+                                       f"those names, or map it in the server's --config file: camera_aliases "
+                                       f"{{{name!r}: CAMERA}}, or {{{name!r}: null}} to ignore it"
                                   + _did_you_mean(name, self._camera_keys(key, sent, free)))
 
     def _camera_keys(self, key: str, sent, free) -> dict[str, str]:

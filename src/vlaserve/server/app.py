@@ -17,11 +17,11 @@ from starlette.exceptions import HTTPException
 
 from .bodies import body_format, decode, read_body
 from .codec import dumps_json, packb, reply_msgpack
-from .guard import Guard
+from .guard import Guard, route_label
 from .metrics import SERVING_STATES
 from .openpi import serve_openpi
 from .schema import ApiError, GenerationRequest
-from .service import ROUTES, ServerSettings, Service
+from .service import ROUTES, ServerSettings, Service, failed_status
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        route = request.scope.get("route")
-        service.metrics.errors.labels(route.path if route else "unmatched", error.type).inc()
+        service.metrics.errors.labels(route_label(request.scope), error.type).inc()
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
@@ -108,10 +107,12 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         generation, results, timings = await service.generate(
             body, started, msgpack_response, client=_connection(request),
             rehearsal=functools.partial(service.rehearse_generation, payload) if fmt == "msgpack" else None)
-        reply = service.reply(generation, results, timings, started)
+        reply, status = service.http_reply(generation, results, timings, started)
+        if status != 200:
+            service.metrics.errors.labels(ROUTES["http"], reply["error"]["type"]).inc()
         if msgpack_response:
-            return Response(packb(reply), media_type=MSGPACK)
-        return Response(dumps_json(reply), media_type="application/json")
+            return Response(packb(reply), status_code=status, media_type=MSGPACK)
+        return Response(dumps_json(reply), status_code=status, media_type="application/json")
 
     @app.websocket(ROUTES["realtime"])
     async def realtime(websocket: WebSocket) -> None:
@@ -127,7 +128,8 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                     generation, results, timings = await service.generate(
                         body, started, msgpack_response=True, client=id(websocket),
                         rehearsal=functools.partial(service.rehearse_generation, frame))
-                    reply, status = service.reply(generation, results, timings, started), 200
+                    # An all-failed batch keeps its envelope (each item's error); its status is the items'.
+                    reply, status = service.reply(generation, results, timings, started), failed_status(results)
                 except ApiError as error:
                     reply, status = error.body(), error.status
                 except Exception:  # noqa: BLE001 - a route bug: this request fails, the session goes on
@@ -135,7 +137,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                     error = ApiError(500, "internal_error", "the server failed to handle this request; "
                                                             "see the server log")
                     reply, status = error.body(), error.status
-                if status != 200:
+                if "error" in reply:
                     service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
                 await websocket.send_bytes(packb(reply))
                 service.metrics.requests.labels(ROUTES["realtime"], str(status)).inc()

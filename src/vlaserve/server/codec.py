@@ -201,12 +201,20 @@ def loads_json(data: bytes):
         # Decoded as UTF-8 explicitly: json.loads(bytes) would also take UTF-16 and UTF-32.
         obj = _JSON.decode(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise DecodeError(f"invalid JSON: not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise DecodeError(f"invalid JSON: not UTF-8 ({e.reason} at byte {e.start}){_msgpack_hint(data)}") from None
     except json.JSONDecodeError as e:
-        raise DecodeError(f"invalid JSON: {e}") from None
+        raise DecodeError(f"invalid JSON: {e}{_msgpack_hint(data)}") from None
     except RecursionError:  # the C scanner's own limit, far past ours
         raise DecodeError(f"invalid JSON: nested deeper than {MAX_NESTING_DEPTH} levels") from None
     return bounded(obj)
+
+
+def _msgpack_hint(data: bytes) -> str:
+    """The fix for a msgpack body sent as JSON (no Content-Type, or application/json): a body that opens
+    with a msgpack map's first byte."""
+    if data[:1] and (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF)):
+        return "; the body looks like msgpack: send it with Content-Type: application/msgpack"
+    return ""
 
 
 def bounded(obj, depth: int = 1):

@@ -61,6 +61,18 @@ def _same_origin(origin: str, scope) -> bool:
     return True
 
 
+def route_label(scope) -> str:
+    """The path template of the route that served a request, for metrics labels; "unmatched" for none.
+    FastAPI records only its own routes in the scope: a plain route (/openapi.json) or a mount (the docs'
+    assets) is found by the endpoint the router handed the request to."""
+    route = scope.get("route")
+    if route is None and "endpoint" in scope:
+        endpoint = scope["endpoint"]
+        route = next((r for r in getattr(scope.get("router"), "routes", ())
+                      if getattr(r, "endpoint", None) is endpoint or getattr(r, "app", None) is endpoint), None)
+    return getattr(route, "path", None) or "unmatched"
+
+
 def _ambiguous_framing(scope) -> bool:
     names = {name for name, _ in scope.get("headers", ())}
     return b"content-length" in names and b"transfer-encoding" in names
@@ -120,8 +132,7 @@ class Guard:
             if not response_started:
                 await send_json_error(send_tracked, 500, "internal_error",
                                          "the server failed to handle this request; see the server log")
-        route = scope.get("route")
-        path = route.path if route is not None else "unmatched"
+        path = route_label(scope)
         self.metrics.requests.labels(path, str(status)).inc()
         self.metrics.latency.labels(path).observe(time.perf_counter() - started)
 

@@ -26,6 +26,12 @@ from .service import Service, ms_since, policy_timing
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = 1011
+# What OpenPI's own server does and this one does not: said where an OpenPI user looks (the socket's metadata
+# frame, the server log at the first connection), since the actions differ without any error.
+TRANSFORMS_WARNING = ("OpenPI's data transforms (ALOHA's joint and gripper flips, delta actions, DROID's action "
+                      "space) are not applied here: the policy takes and returns what its checkpoint's LeRobot "
+                      "processors define, so a checkpoint trained behind those transforms needs them on the robot "
+                      "side (docs/checkpoints.md#openpi-converted-checkpoints)")
 
 
 # SGLang's per-request toggles on this socket: Request field -> its key, and the older name.
@@ -88,7 +94,8 @@ def rehearse(frame: bytes, service: Service) -> bool:
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
-    await websocket.send_bytes(packb(service.public_metadata()))
+    _log_transforms_warning()
+    await websocket.send_bytes(packb({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]}))
     prev_total_ms = None
     try:
         async for frame, started in service.sessions.frames(websocket):
@@ -128,6 +135,11 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
             service.metrics.latency.labels(route).observe(prev_total_ms / 1000.0)
     except WebSocketDisconnect:
         return
+
+
+@functools.cache
+def _log_transforms_warning() -> None:
+    log.warning("an OpenPI client connected: %s", TRANSFORMS_WARNING)
 
 
 async def _fail(websocket: WebSocket, service: Service, route: str, error: ApiError) -> None:

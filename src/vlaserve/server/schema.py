@@ -33,6 +33,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"type": self.type, "field": self.field, "message": self.message}}
 
+    def in_batch(self, index: int, size: int) -> "ApiError":
+        """The same error, its message naming the observation of a batch it is about."""
+        return ApiError(self.status, self.type, f"observation {index} of {size}: {self.message}", self.field)
+
 
 def invalid(field: str | None, message: str) -> ApiError:
     return ApiError(422, "invalid_request", message, field)
@@ -135,14 +139,17 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
     `shape`: the checkpoint's action_horizon and padded_action_dim (checked when a request names them)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be an object")
+    if "input" not in body:
+        raise invalid("input", _MISSING_INPUT + (_OPENPI_HINT if any(_is_openpi_key(k) for k in body) else ""))
     try:
         parsed = GenerationRequest.model_validate(body)
     except ValidationError as e:
-        error = e.errors()[0]
-        raise invalid(".".join(str(p) for p in error["loc"]) or None, error["msg"]) from None
+        raise _schema_error(e.errors()[0]) from None
 
-    if parsed.model is not None and parsed.model not in (identity["model"], identity["checkpoint"]):
-        raise invalid("model", f"this server serves {identity['model']!r}, not {parsed.model!r}")
+    if parsed.model is not None and parsed.model not in identity["names"]:
+        raise invalid("model", f"this server serves {identity['model']!r}, not {parsed.model!r}: omit `model`, "
+                               f"send {identity['model']!r}, or start the server with "
+                               f"--served-model-name {parsed.model}")
     inp, obs_in = parsed.input, parsed.input.observation
     if (inp.task is None) == (inp.prompt is None):
         raise invalid("input.task", "give exactly one of input.task and input.prompt")
@@ -212,14 +219,13 @@ def _batch_size(images: dict, state, noise, task) -> int | None:
     batched = {}
     if isinstance(task, list):
         batched["input.task"] = len(task)
-    if isinstance(state, np.ndarray) and state.ndim == 2:
+    if _per_observation(state, 1):
         batched["input.observation.state"] = len(state)
-    if isinstance(noise, np.ndarray) and noise.ndim == 3:
+    if _per_observation(noise, 2):
         batched["input.observation.noise"] = len(noise)
     for cam, image in images.items():
-        # One image per observation: a [B, H, W, 3] array, or a list of B arrays (msgpack: their sizes may differ).
-        if (isinstance(image, list) and image and all(isinstance(i, np.ndarray) and i.ndim == 3 for i in image)) or (
-                isinstance(image, np.ndarray) and image.ndim == 4):
+        if _per_observation(image, 3) or (isinstance(image, list) and image and all(
+                isinstance(i, (bytes, str)) for i in image)):  # PNG / JPEG frames, one per observation
             batched[f"input.observation.images.{cam}"] = len(image)
     if not batched:
         return None
@@ -231,10 +237,52 @@ def _batch_size(images: dict, state, noise, task) -> int | None:
         raise invalid(next(iter(batched)), "a batch needs at least one observation")
     if isinstance(task, list) and not all(isinstance(t, str) for t in task):
         raise invalid("input.task", "a list of tasks holds strings only")
+    if state is None:
+        raise invalid("input.observation.state", f"missing: a batched request gives each of its {size} observations "
+                                                 f"a state, [B, state_dim]")
     unbatched = [f"input.observation.images.{cam}" for cam in images if f"input.observation.images.{cam}" not in batched]
     unbatched += [f for f, v in (("input.observation.state", state), ("input.observation.noise", noise))
                   if v is not None and f not in batched]
     if unbatched:
         raise invalid(unbatched[0], f"a batched request gives every observation its own value: a leading "
-                                    f"dimension of {size} (noise [B, H, D], state [B, S], images [B, H, W, 3])")
+                                    f"dimension of {size} (noise [B, H, D], state [B, S], images [B, H, W, 3], "
+                                    f"or a list of B images or PNG / JPEG frames)")
     return size
+
+
+def _per_observation(value, rank: int) -> bool:
+    """An array of `rank` + 1 dims, or a list of arrays of `rank` dims (msgpack and ragged JSON: their
+    sizes may differ, and an item whose size is wrong fails alone)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == rank + 1
+    return isinstance(value, list) and bool(value) and all(isinstance(v, np.ndarray) and v.ndim == rank for v in value)
+
+
+_MISSING_INPUT = ('missing: a /v1 body is {"input": {"task": "...", "observation": {"images": {camera: image}, '
+                  '"state": [...]}}} (docs/server.md)')
+_OPENPI_HINT = ("; this body holds OpenPI observation keys: send it unchanged over the OpenPI websocket "
+                "(openpi-client, ws://HOST:PORT), or put its keys under input.observation")
+
+
+def _is_openpi_key(key) -> bool:
+    return isinstance(key, str) and (key.startswith(("observation/", "observation.")) or key in (
+        "prompt", "task", "images", "image", "state", "observation"))
+
+
+# pydantic's words for a wrong JSON type, in the words of this API's fields.
+_EXPECTED = {("input", "task"): "a string, or a list of strings (one per observation of a batch)",
+             ("input", "prompt"): "a string, or a list of strings (one per observation of a batch)"}
+
+
+def _schema_error(error: dict) -> ApiError:
+    """A 422 naming the field by its path in the body (pydantic appends the member of a union it tried,
+    e.g. `input.task.str`: that part is dropped)."""
+    loc = tuple(str(p) for p in error["loc"])
+    while loc and error["type"] != "missing" and (loc[-1] in ("str", "int", "bool", "float", "none")
+                                                  or "[" in loc[-1]):
+        loc = loc[:-1]
+    field = ".".join(loc) or None
+    if error["type"] == "extra_forbidden":
+        return invalid(field, "unknown field; the request schema is at GET /openapi.json (docs/server.md)")
+    expected = _EXPECTED.get(loc)
+    return invalid(field, f"expected {expected}" if expected else error["msg"])

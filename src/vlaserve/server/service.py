@@ -86,7 +86,9 @@ class Service:
         self.settings = settings
         # What the hot path reads, fixed at startup (the live metadata is built per metadata request).
         m = policy.metadata
-        self.identity = {"model": m["model"], "checkpoint": m["checkpoint"], "is_demo": m["is_demo"],
+        # What a request's `model` may name: the served name, the checkpoint's path, the hub id it records.
+        names = frozenset(n for n in (m["model"], m["checkpoint"], m["hub_id"]) if n)
+        self.identity = {"model": m["model"], "names": names, "is_demo": m["is_demo"],
                          "num_inference_steps": m["num_inference_steps"]}
         self.action_shape = {"action_horizon": m["action_horizon"], "action_dim": m["action_dim"],
                              "padded_action_dim": m["max_action_dim"]}
@@ -306,6 +308,8 @@ class Service:
         timings = {"decode_ms": ms_since(started)}
         results = await self.infer_many(generation.requests, in_request_body=True,
                                         per_item_errors=generation.batched, rehearsal=rehearsal)
+        if generation.batched:  # each error names its observation
+            results = [r.in_batch(i, len(results)) if isinstance(r, ApiError) else r for i, r in enumerate(results)]
         answered = [r for r in results if not isinstance(r, ApiError)]
         for key in ("queue_ms", *MODEL_STAGES):
             values = [r.timings[key] for r in answered if key in r.timings]
@@ -318,6 +322,17 @@ class Service:
         body = self.reply_body(generation, results, timings, started)
         self.metrics.observe_stages(timings)
         return body
+
+    def http_reply(self, generation: Generation, results: list, timings: dict, started: float) -> tuple[dict, int]:
+        """The response body and its HTTP status: 200 when any observation was answered; when every
+        observation of a batch failed, their status (the highest where they differ), the body's `error`
+        saying so beside the items' own."""
+        body = self.reply(generation, results, timings, started)
+        status = failed_status(results)
+        if status != 200:
+            first = results[0].body()["error"]
+            body["error"] = {**first, "message": f"every observation of the batch failed; {first['message']}"}
+        return body, status
 
     def rehearse_request(self, request: Request) -> InferenceResult:
         """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared and collated
@@ -395,6 +410,13 @@ class Service:
         request = next((r for r in generation.requests if isinstance(r, Request)), None)
         return (request.num_steps if request is not None and request.num_steps else
                 self.identity["num_inference_steps"])
+
+
+def failed_status(results: list) -> int:
+    """200 when any observation was answered, else the items' status (the highest where they differ)."""
+    if any(not isinstance(r, ApiError) for r in results):
+        return 200
+    return max(r.status for r in results)
 
 
 def _prepare_and_queue_one(policy, batcher: Batcher, request: Request,
