@@ -1,6 +1,8 @@
+import shutil
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import sync_playwright
 from tqdm.std import tqdm
 
 from fixtures import fixture_dir
@@ -29,3 +31,31 @@ def golden_policy(golden):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes long on 2 CPU cores (servers, Ray, the Triton interpreter)")
+
+
+# ---- a real browser, and the demo server it opens ------------------------------------------------
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium (Debian's, which .ci/run installs), driven by Playwright: the pages as a person
+    sees them (/docs, the page at /). Playwright's own browser download is not used."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Chromium is not installed (`apt-get install chromium`, which .ci/run does): "
+                    "the browser tests need it")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """`vlaserve serve` with no checkpoint (the demo) on the CPU, as the README's first command runs it."""
+    from test_server import ServerProcess
+
+    tmp = tmp_path_factory.mktemp("demo_server")
+    proc = ServerProcess(["--device", "cpu", "--dtype", "float32"], tmp / "server.log",
+                         env={"VLASERVE_CACHE": str(tmp / "cache"), "HF_HUB_OFFLINE": "1"})
+    proc.wait_ready()
+    yield proc
+    assert proc.stop() == 0, proc.log()

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 # Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
 _HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
+DOCS_ASSETS = "/docs-assets"
 
 
 def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
@@ -42,9 +44,11 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
             # Runs after uvicorn has finished the in-flight requests; the batcher drains what's left.
             await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
-    _serve_docs_offline(app)
+    # /docs from the Swagger UI 5 files fastapi-offline ships (it reads OpenAPI 3.1, which FastAPI writes):
+    # robot LANs are often air-gapped, and FastAPI's default page loads its scripts from a CDN.
+    app = FastAPIOffline(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                         static_url=DOCS_ASSETS,
+                         description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
     app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
 
     # Added last, so outermost: origins are checked before CORS headers are added or routes run.
@@ -209,23 +213,3 @@ def _request_body_doc() -> dict:
 def _connection(request: Request) -> tuple | None:
     """A keep-alive HTTP connection (client address and port): one robot's requests, one after another."""
     return None if request.client is None else (request.client.host, request.client.port)
-
-
-def _serve_docs_offline(app: FastAPI) -> None:
-    """/docs from the Swagger UI files the swagger-ui-bundle package ships: robot LANs are often
-    air-gapped, and FastAPI's default page loads its scripts from a CDN."""
-    import swagger_ui_bundle
-    from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.staticfiles import StaticFiles
-
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs():
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="vlaserve",
-                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
-
-
-DOCS_ASSETS = "/docs-assets"
