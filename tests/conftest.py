@@ -56,6 +56,7 @@ def demo_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo_server")
     proc = ServerProcess(["--device", "cpu", "--dtype", "float32"], tmp / "server.log",
                          env={"VLASERVE_CACHE": str(tmp / "cache"), "HF_HUB_OFFLINE": "1"})
+    proc.cache = tmp / "cache"  # the demo checkpoint, built once: other demo servers of the session share it
     proc.wait_ready()
     yield proc
     assert proc.stop() == 0, proc.log()

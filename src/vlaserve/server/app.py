@@ -16,11 +16,13 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..about import STARTED
 from .bodies import body_format, decode, read_body
 from .codec import dumps_json, packb, reply_msgpack
 from .guard import Guard
 from .metrics import SERVING_STATES
 from .openpi import serve_openpi
+from .page import serve_page
 from .schema import ApiError, GenerationRequest
 from .service import ROUTES, ServerSettings, Service
 
@@ -49,6 +51,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPIOffline(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None,
                          static_url=DOCS_ASSETS,
                          description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
+    serve_page(app)
     app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
 
     # Added last, so outermost: origins are checked before CORS headers are added or routes run.
@@ -56,7 +59,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "Accept"])
-    app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins))
+    app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins), inference_path=ROUTES["http"])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -82,15 +85,17 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     async def healthz() -> JSONResponse:
         # 503 "starting" until the runtime serves (its batch-1 CUDA graphs captured; the rest are
         # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
-        stats = service.policy.runtime.stats()
-        serving = stats["state"] in SERVING_STATES
-        graphs = stats["graphs"]
-        # "failed": a capture failed (the log says why); batches may still run on the graphs captured
-        # before it, but an orchestrator should restart this server.
-        status = "ok" if serving else "failed" if stats["state"] == "failed" else "starting"
-        body = {"status": status, "model": service.identity["model"],
-                "is_demo": service.identity["is_demo"], "graphs": {k: graphs[k] for k in ("captured", "total")}}
-        return JSONResponse(body, status_code=200 if serving else 503)
+        body = _health(service.policy.runtime.stats())
+        body.update(model=service.identity["model"], is_demo=service.identity["is_demo"])
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        """What /metrics counts, as JSON for people (the page at /): health, uptime, and the inference
+        requests of the last minute with their latency and connections."""
+        return {"object": "server.stats", **_health(service.policy.runtime.stats()),
+                "uptime_s": time.perf_counter() - STARTED, **service.metrics.recent.summary(),
+                "websocket_sessions": service.sessions.open}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -142,8 +147,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                 if status != 200:
                     service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
                 await websocket.send_bytes(packb(reply))
-                service.metrics.requests.labels(ROUTES["realtime"], str(status)).inc()
-                service.metrics.latency.labels(ROUTES["realtime"]).observe(time.perf_counter() - started)
+                service.metrics.request_done(ROUTES["realtime"], status, time.perf_counter() - started, id(websocket))
         except WebSocketDisconnect:
             return
 
@@ -208,6 +212,15 @@ def _request_body_doc() -> dict:
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
     }
+
+
+def _health(runtime_stats: dict) -> dict:
+    """"ok" once the runtime serves (its batch-1 CUDA graphs captured; the rest are captured while it
+    serves), and the graphs captured so far. "failed": a capture failed (the log says why); batches may
+    still run on the graphs captured before it, but an orchestrator should restart this server."""
+    state, graphs = runtime_stats["state"], runtime_stats["graphs"]
+    status = "ok" if state in SERVING_STATES else "failed" if state == "failed" else "starting"
+    return {"status": status, "graphs": {k: graphs[k] for k in ("captured", "total")}}
 
 
 def _connection(request: Request) -> tuple | None:
