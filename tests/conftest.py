@@ -48,6 +48,16 @@ def browser():
         launched.close()
 
 
+@pytest.fixture()
+def page(browser):
+    """A fresh tab of the shared browser. Its waits are long (2 minutes): a busy 2-core machine runs the
+    demo's first request and Swagger UI's start-up slowly, and a wait ends as soon as its state shows."""
+    tab = browser.new_page(viewport={"width": 1280, "height": 900})
+    tab.set_default_timeout(120_000)
+    yield tab
+    tab.close()
+
+
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     """`vlaserve serve` with no checkpoint (the demo) on the CPU, as the README's first command runs it."""

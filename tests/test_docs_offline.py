@@ -20,8 +20,7 @@ def test_docs_page_and_its_assets_come_from_the_server(golden_policy):
         assert client.get("/openapi.json").json()["openapi"].startswith("3.1")
 
 
-def test_docs_render_in_a_browser_and_try_it_out_answers(browser, demo_server):
-    page = browser.new_page()
+def test_docs_render_in_a_browser_and_try_it_out_answers(page, demo_server):
     requested = []
     page.on("request", lambda request: requested.append(request.url))
     page.goto(demo_server.url + "/docs")
@@ -41,4 +40,3 @@ def test_docs_render_in_a_browser_and_try_it_out_answers(browser, demo_server):
     assert status.inner_text().strip() == "200"
     assert re.search(r'"model":\s*"demo-pi05-v1"', metadata.locator(".live-responses-table").inner_text())
     assert all(url.startswith(demo_server.url) for url in requested), requested  # nothing from a CDN
-    page.close()

@@ -30,9 +30,8 @@ def screenshot(page, name: str) -> None:
     page.screenshot(path=SCREENSHOTS / name, full_page=True)
 
 
-def test_the_page_plots_exactly_the_actions_its_request_gets(browser, demo_server):
+def test_the_page_plots_exactly_the_actions_its_request_gets(page, demo_server):
     meta = httpx.get(demo_server.url + "/v1/actions/metadata").json()
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(demo_server.url + "/")
     assert page.locator("#served-name").inner_text() == meta["model"] == "demo-pi05-v1"
     assert page.locator("#info-cameras").inner_text() == ", ".join(meta["cameras"])
@@ -72,11 +71,9 @@ def test_the_page_plots_exactly_the_actions_its_request_gets(browser, demo_serve
         assert len(lines.nth(d).get_attribute("points").split()) == 50
     for stage in ("decode_ms", "preprocess_ms", "prefix_ms", "denoise_ms"):
         assert page.locator(f'.legend [data-stage="{stage}"] b').inner_text().endswith(" ms")
-    page.close()
 
 
-def test_the_page_shows_the_api_errors_message_as_it_comes(browser, demo_server):
-    page = browser.new_page()
+def test_the_page_shows_the_api_errors_message_as_it_comes(page, demo_server):
     page.goto(demo_server.url + "/")
     page.wait_for_function("document.querySelectorAll('.camera img').length === 3")
     page.fill("#steps", "0")
@@ -89,7 +86,6 @@ def test_the_page_shows_the_api_errors_message_as_it_comes(browser, demo_server)
     assert page.locator("#error-message").inner_text() == error["message"]
     assert page.locator("#error-head").inner_text() == f"422 {error['type']} · {error['field']}"
     assert page.locator("#output").is_hidden()
-    page.close()
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +98,12 @@ def keyed_demo_server(demo_server, tmp_path_factory):
     assert proc.stop() == 0, proc.log()
 
 
-def test_behind_an_api_key_the_page_asks_for_it(browser, keyed_demo_server):
+def test_behind_an_api_key_the_page_asks_for_it(page, keyed_demo_server):
     url = keyed_demo_server.url
     refused = httpx.get(url + "/v1/actions/metadata", headers={"Authorization": "Bearer wrong-key"})
     assert refused.status_code == 401
     message = refused.json()["error"]["message"]
 
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(url + "/")
     page.locator("#auth").wait_for()
     page.wait_for_function("document.getElementById('auth-message').textContent !== ''")
@@ -135,7 +130,6 @@ def test_behind_an_api_key_the_page_asks_for_it(browser, keyed_demo_server):
     page.locator("#error-message").wait_for()
     assert page.locator("#error-head").inner_text() == "401 unauthorized"
     assert page.locator("#error-message").inner_text() == message
-    page.close()
 
 
 # ---- /stats --------------------------------------------------------------------------------------------

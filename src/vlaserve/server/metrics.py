@@ -12,9 +12,9 @@ from ..about import STARTED
 
 STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
 SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured); "warming_up" does not yet
-# From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 RECENT_WINDOW_S = 60.0  # what /stats (and the page at /) reports: the last minute's inference requests
 _RECENT_KEPT = 100_000  # bounds the window's memory at any request rate (1,600 requests a second for a minute)
+# From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,7 +42,6 @@ class Metrics:
                                           "inference result returned; NaN until then", registry=self.registry)
         self.first_action_seconds.set(float("nan"))
         self._first_action_unset = True
-
         self.recent = RecentRequests()
 
     def request_done(self, route: str, status: int, seconds: float | None, connection=None) -> None:
