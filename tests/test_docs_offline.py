@@ -17,7 +17,8 @@ def test_docs_page_and_its_assets_come_from_the_server(golden_policy):
         for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
             response = client.get(f"/docs-assets/{asset}")
             assert response.status_code == 200 and len(response.content) > 10_000
-        assert client.get("/openapi.json").json()["openapi"].startswith("3.1")
+        schema = client.get("/openapi.json").json()
+        assert schema["info"]["title"] == "vlaserve" and schema["openapi"].startswith("3.1")
 
 
 def test_docs_render_in_a_browser_and_try_it_out_answers(page, demo_server):
