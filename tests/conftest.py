@@ -2,7 +2,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 from tqdm.std import tqdm
 
 from fixtures import fixture_dir
@@ -50,10 +50,12 @@ def browser():
 
 @pytest.fixture()
 def page(browser):
-    """A fresh tab of the shared browser. Its waits are long (2 minutes): a busy 2-core machine runs the
-    demo's first request and Swagger UI's start-up slowly, and a wait ends as soon as its state shows."""
+    """A fresh tab of the shared browser. Its waits and `expect`s are long (2 minutes): a busy 2-core
+    machine runs the demo's first request and Swagger UI's start-up slowly, and a wait ends as soon as
+    its state shows."""
     tab = browser.new_page(viewport={"width": 1280, "height": 900})
     tab.set_default_timeout(120_000)
+    expect.set_options(timeout=120_000)
     yield tab
     tab.close()
 

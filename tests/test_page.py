@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from playwright.sync_api import expect
 from test_server import GENERATIONS, ServerProcess, make_observation, request_body
 
 from vlaserve.server import ServerSettings, create_app
@@ -22,6 +23,7 @@ from vlaserve.server.metrics import RecentRequests
 from vlaserve.server.page import STATIC
 
 SCREENSHOTS = Path(__file__).parent / "output"
+CHECKING = "checking the key…"  # page.js shows it while a key's metadata request runs
 SAMPLES = ("base.jpg", "left_wrist.jpg", "right_wrist.jpg")  # page.js sends them to the cameras in this order
 
 
@@ -33,7 +35,8 @@ def screenshot(page, name: str) -> None:
 def test_the_page_plots_exactly_the_actions_its_request_gets(page, demo_server):
     meta = httpx.get(demo_server.url + "/v1/actions/metadata").json()
     page.goto(demo_server.url + "/")
-    assert page.locator("#served-name").inner_text() == meta["model"] == "demo-pi05-v1"
+    assert meta["model"] == "demo-pi05-v1"
+    expect(page.locator("#served-name")).to_have_text(meta["model"])  # waits for the page's metadata request
     assert page.locator("#info-cameras").inner_text() == ", ".join(meta["cameras"])
     assert page.locator("#info-state").inner_text() == "14"
     tiles = page.locator(".camera")
@@ -114,18 +117,19 @@ def test_behind_an_api_key_the_page_asks_for_it(page, keyed_demo_server):
     with page.expect_response(lambda r: r.url.endswith("/v1/actions/metadata")) as answered:
         page.click("#auth-form button")
     assert answered.value.status == 401
+    expect(page.locator("#auth-message")).not_to_have_text(CHECKING)  # the page has read the answer
     assert page.locator("#auth-message").inner_text() == message
     screenshot(page, "page-api-key.png")
 
     page.fill("#api-key", "right-key")
     page.click("#auth-form button")
-    page.wait_for_function("document.getElementById('served-name').textContent === 'demo-pi05-v1'")
-    assert page.locator("#auth-message").inner_text() == "key accepted"
+    expect(page.locator("#served-name")).to_have_text("demo-pi05-v1")
+    expect(page.locator("#auth-message")).to_have_text("key accepted")
     page.wait_for_function("document.querySelectorAll('.camera img').length === 3")
 
     page.fill("#api-key", "wrong-key")  # the key changed to a wrong one: the generation's own 401 too
     page.click("#auth-form button")
-    page.wait_for_function("document.getElementById('auth-message').textContent !== 'key accepted'")
+    expect(page.locator("#auth-message")).to_have_text(message)
     page.click("#generate")
     page.locator("#error-message").wait_for()
     assert page.locator("#error-head").inner_text() == "401 unauthorized"

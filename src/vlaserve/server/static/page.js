@@ -300,6 +300,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("auth-form").addEventListener("submit", (event) => {
     event.preventDefault();
     page.apiKey = $("api-key").value || null;
+    $("auth-message").textContent = "checking the key…";
     loadMetadata();
   });
   $("try-form").addEventListener("submit", generate);
