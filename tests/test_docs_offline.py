@@ -32,12 +32,15 @@ def test_docs_render_in_a_browser_and_try_it_out_answers(page, demo_server):
     assert {"/healthz", "/metrics", "/v1/actions/metadata", "/v1/actions/generations"} <= listed
     assert "Unable to render" not in page.content()
 
-    metadata = page.locator(".opblock", has=page.locator('[data-path="/v1/actions/metadata"]'))
-    metadata.locator(".opblock-summary").click()
-    metadata.get_by_role("button", name="Try it out").click()
-    metadata.get_by_role("button", name="Execute").click()
-    status = metadata.locator(".live-responses-table tbody .response-col_status")
-    status.wait_for()
-    assert status.inner_text().strip() == "200"
-    assert re.search(r'"model":\s*"demo-pi05-v1"', metadata.locator(".live-responses-table").inner_text())
+    # "Try it out" as it stands: the metadata, and a generation from the schema's example body.
+    for path, answer in (("/v1/actions/metadata", r'"model":\s*"demo-pi05-v1"'),
+                         ("/v1/actions/generations", r'"object":\s*"action.generation"')):
+        operation = page.locator(".opblock", has=page.locator(f'[data-path="{path}"]'))
+        operation.locator(".opblock-summary").click()
+        operation.get_by_role("button", name="Try it out").click()
+        operation.get_by_role("button", name="Execute").click()
+        status = operation.locator(".live-responses-table tbody .response-col_status")
+        status.wait_for()
+        assert status.inner_text().strip() == "200", operation.locator(".live-responses-table").inner_text()
+        assert re.search(answer, operation.locator(".live-responses-table").inner_text())
     assert all(url.startswith(demo_server.url) for url in requested), requested  # nothing from a CDN

@@ -106,7 +106,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         service.require_auth(request.headers)
         return service.public_metadata()
 
-    @app.post(ROUTES["http"], openapi_extra=_request_body_doc(), response_model=None)
+    @app.post(ROUTES["http"], openapi_extra=_request_body_doc(policy.metadata), response_model=None)
     async def generations(request: Request) -> Response:
         started = time.perf_counter()
         service.require_auth(request.headers)
@@ -203,11 +203,18 @@ def _request_schemas() -> dict:
     return {**schema.pop("$defs", {}), "GenerationRequest": schema}
 
 
-def _request_body_doc() -> dict:
+def _request_body_doc(metadata: dict) -> dict:
+    """The generation route's body in the schema, with an example this checkpoint answers (a black 8x8 frame
+    per camera, a zero state), so that /docs' "Try it out" runs as it stands."""
     ref = {"$ref": _SCHEMA_REF.format(model="GenerationRequest")}
+    frame = [[[0, 0, 0]] * 8] * 8
+    example = {"input": {"task": "pick up the red block",
+                         "observation": {"images": {camera: frame for camera in metadata["cameras"]},
+                                         "state": [0.0] * metadata["state_dim"]}},
+               "parameters": {"seed": 0}}
     return {
         "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref},
+            "application/json": {"schema": ref, "example": example},
             MSGPACK: {"schema": ref},
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
