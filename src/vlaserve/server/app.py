@@ -12,14 +12,17 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..about import STARTED
 from .bodies import body_format, decode, read_body
 from .codec import dumps_json, packb, reply_msgpack
 from .guard import Guard, route_label
 from .metrics import SERVING_STATES
 from .openpi import serve_openpi
+from .page import serve_page
 from .schema import ApiError, GenerationRequest
 from .service import ROUTES, ServerSettings, Service, failed_status
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 # Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
 _HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
+DOCS_ASSETS = "/docs-assets"
 
 
 def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
@@ -42,9 +46,12 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
             # Runs after uvicorn has finished the in-flight requests; the batcher drains what's left.
             await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
-    _serve_docs_offline(app)
+    # /docs from the Swagger UI 5 files fastapi-offline ships (it reads OpenAPI 3.1, which FastAPI writes):
+    # robot LANs are often air-gapped, and FastAPI's default page loads its scripts from a CDN.
+    app = FastAPIOffline(title="vlaserve", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                         static_url=DOCS_ASSETS,
+                         description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
+    serve_page(app)
     app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
 
     # Added last, so outermost: origins are checked before CORS headers are added or routes run.
@@ -52,7 +59,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "Accept"])
-    app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins))
+    app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins), inference_path=ROUTES["http"])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -77,15 +84,17 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     async def healthz() -> JSONResponse:
         # 503 "starting" until the runtime serves (its batch-1 CUDA graphs captured; the rest are
         # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
-        stats = service.policy.runtime.stats()
-        serving = stats["state"] in SERVING_STATES
-        graphs = stats["graphs"]
-        # "failed": a capture failed (the log says why); batches may still run on the graphs captured
-        # before it, but an orchestrator should restart this server.
-        status = "ok" if serving else "failed" if stats["state"] == "failed" else "starting"
-        body = {"status": status, "model": service.identity["model"],
-                "is_demo": service.identity["is_demo"], "graphs": {k: graphs[k] for k in ("captured", "total")}}
-        return JSONResponse(body, status_code=200 if serving else 503)
+        body = _health(service.policy.runtime.stats())
+        body.update(model=service.identity["model"], is_demo=service.identity["is_demo"])
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        """What /metrics counts, as JSON for people (the page at /): health, uptime, and the inference
+        requests of the last minute with their latency and connections."""
+        return {"object": "server.stats", **_health(service.policy.runtime.stats()),
+                "uptime_s": time.perf_counter() - STARTED, **service.metrics.recent.summary(),
+                "websocket_sessions": service.sessions.open}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -96,7 +105,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         service.require_auth(request.headers)
         return service.public_metadata()
 
-    @app.post(ROUTES["http"], openapi_extra=_request_body_doc(), response_model=None)
+    @app.post(ROUTES["http"], openapi_extra=_request_body_doc(policy.metadata), response_model=None)
     async def generations(request: Request) -> Response:
         started = time.perf_counter()
         service.require_auth(request.headers)
@@ -140,8 +149,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                 if "error" in reply:
                     service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
                 await websocket.send_bytes(packb(reply))
-                service.metrics.requests.labels(ROUTES["realtime"], str(status)).inc()
-                service.metrics.latency.labels(ROUTES["realtime"]).observe(time.perf_counter() - started)
+                service.metrics.request_done(ROUTES["realtime"], status, time.perf_counter() - started, id(websocket))
         except WebSocketDisconnect:
             return
 
@@ -197,37 +205,33 @@ def _request_schemas() -> dict:
     return {**schema.pop("$defs", {}), "GenerationRequest": schema}
 
 
-def _request_body_doc() -> dict:
+def _request_body_doc(metadata: dict) -> dict:
+    """The generation route's body in the schema, with an example this checkpoint answers (a black 8x8 frame
+    per camera, a zero state), so that /docs' "Try it out" runs as it stands."""
     ref = {"$ref": _SCHEMA_REF.format(model="GenerationRequest")}
+    frame = [[[0, 0, 0]] * 8] * 8
+    example = {"input": {"task": "pick up the red block",
+                         "observation": {"images": {camera: frame for camera in metadata["cameras"]},
+                                         "state": [0.0] * metadata["state_dim"]}},
+               "parameters": {"seed": 0}}
     return {
         "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref},
+            "application/json": {"schema": ref, "example": example},
             MSGPACK: {"schema": ref},
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
     }
 
 
+def _health(runtime_stats: dict) -> dict:
+    """"ok" once the runtime serves (its batch-1 CUDA graphs captured; the rest are captured while it
+    serves), and the graphs captured so far. "failed": a capture failed (the log says why); batches may
+    still run on the graphs captured before it, but an orchestrator should restart this server."""
+    state, graphs = runtime_stats["state"], runtime_stats["graphs"]
+    status = "ok" if state in SERVING_STATES else "failed" if state == "failed" else "starting"
+    return {"status": status, "graphs": {k: graphs[k] for k in ("captured", "total")}}
+
+
 def _connection(request: Request) -> tuple | None:
     """A keep-alive HTTP connection (client address and port): one robot's requests, one after another."""
     return None if request.client is None else (request.client.host, request.client.port)
-
-
-def _serve_docs_offline(app: FastAPI) -> None:
-    """/docs from the Swagger UI files the swagger-ui-bundle package ships: robot LANs are often
-    air-gapped, and FastAPI's default page loads its scripts from a CDN."""
-    import swagger_ui_bundle
-    from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.staticfiles import StaticFiles
-
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs():
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="vlaserve",
-                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
-
-
-DOCS_ASSETS = "/docs-assets"

@@ -79,9 +79,10 @@ def _ambiguous_framing(scope) -> bool:
 
 
 class Guard:
-    def __init__(self, app, metrics: Metrics, allowed_origins: tuple[str, ...]):
+    def __init__(self, app, metrics: Metrics, allowed_origins: tuple[str, ...], inference_path: str):
         self.app = app
         self.metrics = metrics
+        self.inference_path = inference_path  # its requests make the last minute's figures (Metrics.request_done)
         self.allow_any_origin = "*" in allowed_origins
         self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
 
@@ -133,8 +134,8 @@ class Guard:
                 await send_json_error(send_tracked, 500, "internal_error",
                                          "the server failed to handle this request; see the server log")
         path = route_label(scope)
-        self.metrics.requests.labels(path, str(status)).inc()
-        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+        self.metrics.request_done(path, status, time.perf_counter() - started,
+                                  (scope.get("client") or "unknown") if path == self.inference_path else None)
 
     async def _websocket(self, scope, receive, send):
         if not self.origin_allowed(scope):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..about import STARTED
 
 STAGES = ("decode", "queue", "preprocess", "prefix", "denoise", "device", "postprocess", "encode")
 SERVING_STATES = ("capturing", "ready")  # the runtime serves (batch 1 captured); "warming_up" does not yet
+RECENT_WINDOW_S = 60.0  # what /stats (and the page at /) reports: the last minute's inference requests
+_RECENT_KEPT = 100_000  # bounds the window's memory at any request rate (1,600 requests a second for a minute)
 # From 0.1 ms (msgpack decode) to 30 s (a full-size model on a CPU).
 _SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -38,6 +42,16 @@ class Metrics:
                                           "inference result returned; NaN until then", registry=self.registry)
         self.first_action_seconds.set(float("nan"))
         self._first_action_unset = True
+        self.recent = RecentRequests()
+
+    def request_done(self, route: str, status: int, seconds: float | None, connection=None) -> None:
+        """One answered request (a websocket's: one message), counted and timed (`seconds` None: not timed);
+        `connection`, given for an inference request only, puts it in the last minute's figures (/stats)."""
+        self.requests.labels(route, str(status)).inc()
+        if seconds is not None:
+            self.latency.labels(route).observe(seconds)
+        if connection is not None:
+            self.recent.add(status, seconds, connection)
 
     def watch_runtime(self, stats) -> None:
         """Gauges read from the runtime at each scrape: graphs captured (flat after ready) and calls that
@@ -88,3 +102,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecentRequests:
+    """The inference requests answered in the last RECENT_WINDOW_S: their status, latency and connection
+    (what "robots connected" counts). Used on the event loop only."""
+
+    def __init__(self, window_s: float = RECENT_WINDOW_S, max_kept: int = _RECENT_KEPT):
+        self.window_s = window_s
+        self._answered: deque[tuple[float, int, float | None, object]] = deque(maxlen=max_kept)
+
+    def add(self, status: int, seconds: float | None, connection) -> None:
+        self._answered.append((time.monotonic(), status, seconds, connection))
+
+    def summary(self) -> dict:
+        """Requests and errors (4xx/5xx) in the window, the successful ones' latency percentiles in ms
+        (None before any), and how many connections sent them."""
+        horizon = time.monotonic() - self.window_s
+        while self._answered and self._answered[0][0] < horizon:
+            self._answered.popleft()
+        answered = list(self._answered)
+        ok = [seconds for _, status, seconds, _ in answered if status < 400 and seconds is not None]
+        p50, p99 = np.percentile(ok, [50, 99]) * 1000.0 if ok else (None, None)
+        return {"window_s": self.window_s, "requests": len(answered),
+                "errors": sum(status >= 400 for _, status, _, _ in answered),
+                "latency_ms": None if p50 is None else {"p50": float(p50), "p99": float(p99)},
+                "connections": len({connection for _, _, _, connection in answered})}

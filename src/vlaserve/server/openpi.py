@@ -131,8 +131,7 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
             prev_total_ms = ms_since(started)
             service.metrics.observe_stages({"decode_ms": decode_ms, **result.timings,
                                             "encode_ms": ms_since(encode_start)})
-            service.metrics.requests.labels(route, "200").inc()
-            service.metrics.latency.labels(route).observe(prev_total_ms / 1000.0)
+            service.metrics.request_done(route, 200, prev_total_ms / 1000.0, id(websocket))
     except WebSocketDisconnect:
         return
 
@@ -145,7 +144,7 @@ def _log_transforms_warning() -> None:
 async def _fail(websocket: WebSocket, service: Service, route: str, error: ApiError) -> None:
     """One line, `type: field: message`, the same type and message an HTTP client would get."""
     service.metrics.errors.labels(route, error.type).inc()
-    service.metrics.requests.labels(route, str(error.status)).inc()
+    service.metrics.request_done(route, error.status, None, id(websocket))
     try:
         await websocket.send_text(f"{error.type}: {error.field + ': ' if error.field else ''}{error.message}")
         await websocket.close(code=INTERNAL_ERROR, reason="Request failed; the reason is in the previous frame.")

@@ -24,6 +24,10 @@ class Sessions:
         self._busy: set[WebSocket] = set()
         self.draining = False
 
+    @property
+    def open(self) -> int:
+        return len(self._idle | self._busy)
+
     async def frames(self, websocket: WebSocket):
         """Each message's binary payload (None for a text frame) and the time it arrived, until the
         client disconnects or the server drains (then, with every frame answered, closes 1012)."""
