@@ -158,9 +158,10 @@ def test_openapi_and_the_docs_assets_are_counted_under_their_routes(client):
     page = client.get("/docs").text
     asset = re.search(r'(?:src|href)="(/[^"]+)"', page).group(1)  # a script or style the page loads from here
     assert client.get(asset).status_code == 200 and client.get("/openapi.json").status_code == 200
+    assert client.get("/page-assets/page.css").status_code == 200  # the page's own assets, a mount as the docs'
     client.get("/no-such-path")
     counted = re.findall(r'^vlaserve_requests_total\{route="([^"]+)",status="(\d+)"\}', client.get("/metrics").text, re.M)
-    assert ("/openapi.json", "200") in counted
+    assert ("/openapi.json", "200") in counted and ("/page-assets", "200") in counted
     assert [status for route, status in counted if route == "unmatched"] == ["404"]  # only what no route serves
 
 
