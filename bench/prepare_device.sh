@@ -16,6 +16,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   farama-notifications==0.0.6 mergedeep==1.3.4 toml==0.10.2 \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
   typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 websockets==17.4 \
-  openpi-client==0.1.2 runai-model-streamer==0.17.1 humanize==4.17.0 swagger-ui-bundle==1.1.0 jinja2==3.1.6 \
+  openpi-client==0.1.2 runai-model-streamer==0.17.1 humanize==4.17.0 fastapi-offline==1.7.7 jinja2==3.1.6 \
   markupsafe==3.0.3
 du -sh .whl

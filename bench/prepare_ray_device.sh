@@ -52,5 +52,5 @@ download -d .rayship jsonschema==4.26.0 jsonschema-specifications==2025.9.1 refe
 # The server's own packages (bench/prepare_device.sh has them with LeRobot's, too many bytes to carry with Ray).
 download -d .whl_serve fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
   typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 websockets==17.4 \
-  openpi-client==0.1.2 swagger-ui-bundle==1.1.0 jinja2==3.1.6 markupsafe==3.0.3
+  openpi-client==0.1.2 fastapi-offline==1.7.7 jinja2==3.1.6 markupsafe==3.0.3
 du -sh .rayship .whl_serve
