@@ -53,7 +53,10 @@ def check_setup(config: RemotePolicyConfig, metadata: dict, names: tuple[str, ..
         raise SetupError("FAILED_PRECONDITION", f"policy_type {config.policy_type!r}: this server serves a "
                                                 f"{metadata['policy_type']} policy, {metadata['model']!r}")
     given = config.pretrained_name_or_path.rstrip("/")
-    if given not in names and Path(given).name not in names:
+    # A local path (the robot's copy of the checkpoint) names the model by its directory's name; a hub
+    # id (owner/name) must be the very one served.
+    local = given.startswith(("/", ".", "~"))
+    if given not in names and not (local and Path(given).name in names):
         raise SetupError("FAILED_PRECONDITION", f"pretrained_name_or_path {given!r} is not what this server "
                                                 f"serves: {' or '.join(map(repr, names))} (it loads nothing else)")
     features = {}
@@ -80,7 +83,7 @@ def check_setup(config: RemotePolicyConfig, metadata: dict, names: tuple[str, ..
     return features
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the batcher tracks its clients in a set
 class RobotSession:
     peer: str
     config: RemotePolicyConfig | None = None
