@@ -329,3 +329,24 @@ def test_src_has_no_unrestricted_unpickling():
     assert not offenders
     assert subclasses == [("pickles.py", "RestrictedUnpickler")]
     assert pickles.RestrictedUnpickler.find_class is not pickle.Unpickler.find_class
+
+
+def test_the_wire_is_services_proto():
+    """wire.py's descriptors say what services.proto says: package, enum values, fields and their
+    numbers, and the service's methods (LeRobot 0.6.1's, from its services.proto)."""
+    import re
+    from pathlib import Path
+
+    proto = (Path(wire.__file__).with_name("services.proto")).read_text()
+    proto = re.sub(r"//.*", "", proto)
+    built = wire.file_descriptor()
+    assert re.search(r"package (\w+);", proto).group(1) == built.package == "transport"
+    enum = re.search(r"enum TransferState \{(.*?)\}", proto, re.S).group(1)
+    assert re.findall(r"(\w+) = (\d+);", enum) == [(v.name, str(v.number)) for v in built.enum_type[0].value]
+    for message in built.message_type:
+        body = re.search(rf"message {message.name} \{{(.*?)\}}", proto, re.S).group(1)
+        assert re.findall(r"(\w+) (\w+) = (\d+);", body) == [
+            ("TransferState" if f.type_name else "bytes", f.name, str(f.number)) for f in message.field], message.name
+    rpcs = re.findall(r"rpc (\w+)\((stream )?(\w+)\) returns \((\w+)\);", proto)
+    assert rpcs == [(m.name, "stream " if m.client_streaming else "", m.input_type.rsplit(".", 1)[1],
+                     m.output_type.rsplit(".", 1)[1]) for m in built.service[0].method]
