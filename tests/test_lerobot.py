@@ -213,7 +213,7 @@ class HugeArray:
 
 def test_hostile_pickles_are_refused_and_nothing_runs(server, tmp_path):
     marker = tmp_path / "executed"
-    robot = ready_robot(server)
+    robot, bystander = ready_robot(server), ready_robot(server)
     cases = {name: pickle.dumps(TimedObservation(1.0, 0, {"x": payload}, True)) for name, payload in _hostile(marker).items()}
     cases["10^6 deep"] = _nested(10**6)  # refused by its opcode count
     cases["10^4 deep"] = _nested(10**4)  # refused by its depth
@@ -226,7 +226,9 @@ def test_hostile_pickles_are_refused_and_nothing_runs(server, tmp_path):
         assert "refused" in caught.value.details(), (name, caught.value.details())
     assert not marker.exists()
     assert len(step(robot, robot_observation(5), timestep=1)) == 20  # the same robot still served
+    assert len(step(bystander, robot_observation(8), timestep=0)) == 20  # and another one, untouched
     robot.close()
+    bystander.close()
 
 
 @pytest.mark.parametrize("name, policy_type", [("other/checkpoint", "pi05"), ("checkpoint", "pi0"),
@@ -350,3 +352,12 @@ def test_the_wire_is_services_proto():
     rpcs = re.findall(r"rpc (\w+)\((stream )?(\w+)\) returns \((\w+)\);", proto)
     assert rpcs == [(m.name, "stream " if m.client_streaming else "", m.input_type.rsplit(".", 1)[1],
                      m.output_type.rsplit(".", 1)[1]) for m in built.service[0].method]
+
+
+def test_serve_refuses_the_lerobot_port_with_an_api_key_or_on_the_http_port():
+    from vlaserve.server.lerobot import problem_with
+
+    base = {"lerobot_port": 8080, "port": 8000, "api_key": None}
+    assert problem_with(base) is None and problem_with({**base, "lerobot_port": None, "api_key": "k"}) is None
+    assert "API key" in problem_with({**base, "api_key": "k"})
+    assert "differ" in problem_with({**base, "port": 8080})
