@@ -70,7 +70,7 @@ def check_setup(config: RemotePolicyConfig, metadata: dict, names: tuple[str, ..
         if not isinstance(shape, (tuple, list)) or not all(type(n) is int for n in shape):
             raise SetupError("INVALID_ARGUMENT", f"lerobot_features[{key!r}].shape must be integers")
         if dtype == "float32" and len(shape) == 1:
-            if not isinstance(names_, list) or len(names_) != shape[0] or not all(isinstance(n, str) for n in names_):
+            if not isinstance(names_, (list, tuple)) or len(names_) != shape[0] or not all(isinstance(n, str) for n in names_):
                 raise SetupError("INVALID_ARGUMENT", f"lerobot_features[{key!r}].names must name its {shape[0]} values")
             features[key] = feature
         elif dtype in ("image", "video"):
