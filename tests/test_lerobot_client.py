@@ -16,8 +16,7 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
-import threading
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -51,8 +50,9 @@ def _interpreter() -> str | None:
 
 
 def _imports_client(python: Path) -> bool:
-    return python.exists() and subprocess.run(
-        [str(python), "-c", "import lerobot.async_inference.robot_client"], capture_output=True).returncode == 0
+    # Elsewhere than here: importing robot_client opens a log file under ./logs.
+    return python.exists() and subprocess.run([str(python), "-c", "import lerobot.async_inference.robot_client"],
+                                              capture_output=True, cwd=tempfile.gettempdir()).returncode == 0
 
 
 @pytest.fixture(scope="session")
