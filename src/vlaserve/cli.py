@@ -25,6 +25,7 @@ from .info import add_parser as add_info_parser
 from .options import (API_KEY_ENV, DEMO_HELP, RUNTIME_OPTIONS, SERVE_OPTIONS, UsageError, add_options, build_service,
                       check_can_bind, serve_options)
 from .precision_command import add_parsers as add_precision_parsers
+from .server.lerobot import problem_with as lerobot_problem
 
 log = logging.getLogger("vlaserve")
 
@@ -111,6 +112,10 @@ def serve_command(cli: dict) -> int:
                     "prefer --api-key-file or $%s", API_KEY_ENV)
     try:
         check_can_bind(options["host"], options["port"])  # before minutes of loading, not after
+        if lerobot_problem(options):
+            raise UsageError(lerobot_problem(options))
+        if options["lerobot_port"] is not None:
+            check_can_bind(options["host"], options["lerobot_port"])
     except UsageError as e:
         log.error("%s", e)
         return 2
@@ -138,6 +143,11 @@ def serve_command(cli: dict) -> int:
     protocol = guarded_http_protocol(options["header_timeout_s"], connection_limit(options["max_connections"]),
                                      max_payload_bytes, options["body_timeout_s"])
     served = RequestLog(app) if options["log_requests"] else app
+    if options["lerobot_port"] is not None:
+        from .server.lerobot.server import LeRobotGateway
+
+        served = LeRobotGateway(served, app.state.service, options["host"], options["lerobot_port"],
+                                options["checkpoint"], options["max_connections"], options["drain_timeout_s"])
     server = DrainingServer(uvicorn.Config(
         served, host=options["host"], port=options["port"], log_config=None, access_log=False, http=protocol,
         ws_max_size=max_payload_bytes, timeout_graceful_shutdown=options["drain_timeout_s"],

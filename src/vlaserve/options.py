@@ -45,6 +45,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "body_timeout_s": (float, 60.0, "S", "answer 408 when a request body takes longer than this to arrive"),
     "drain_timeout_s": (float, 30.0, "S", "on SIGTERM/SIGINT, how long in-flight requests may take to finish"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
+    "lerobot_port": (int, None, "PORT", "also serve LeRobot's robot_client (gRPC AsyncInference) on this port; "
+                                        "needs vlaserve[lerobot] (docs/lerobot.md)"),
 }
 
 def _runtime_options() -> dict[str, tuple[type, object, str, str]]:

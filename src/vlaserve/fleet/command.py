@@ -51,6 +51,9 @@ def serve_ray_command(cli: dict) -> int:
     except UsageError as e:
         log.error("%s", e)
         return 2
+    if options["lerobot_port"] is not None:
+        log.error("--lerobot-port is served by `vlaserve serve` only, not by Ray replicas (docs/lerobot.md)")
+        return 2
     try:
         import ray
         from ray import serve
