@@ -17,5 +17,6 @@ def problem_with(options: dict) -> str | None:
         return ("--lerobot-port cannot be served with an API key: LeRobot's robot_client sends none, so the port "
                 "would be open to anyone who reaches it; serve it without a key on a trusted network (docs/lerobot.md)")
     if importlib.util.find_spec("grpc") is None or importlib.util.find_spec("google.protobuf") is None:
-        return "--lerobot-port needs grpcio and protobuf: pip install 'vlaserve[lerobot]'"
+        return ('--lerobot-port needs grpcio and protobuf: pip install -e ".[lerobot]" in vlaserve\'s clone '
+                "(or pip install grpcio protobuf)")
     return None
