@@ -61,7 +61,8 @@ class Robot:
             "state": rng.uniform(-1, 1, metadata["input"]["state_dim"]).astype(np.float32),
             "task": f"robot {index}: pick up the red block"}
         self.last_read = time.monotonic()
-        self.client = RecordingClient(url, self)
+        # A loaded CPU server can take longer than the default 10 s for a first batch of cold robots.
+        self.client = RecordingClient(url, self, timeout=60.0)
         self.executor = ActionChunkExecutor(self.client, control_hz=hz)
         self.installs: list[float] = []  # when a new chunk was first served
         self.tick_late_s: list[float] = []
@@ -73,7 +74,7 @@ class Robot:
         return self.observation
 
     def start(self) -> None:
-        self.executor.start(self.read())
+        self.executor.start(self.read)  # read when the first request goes out, after the connect
         self.installs.append(time.monotonic())
         self.thread.start()
 
@@ -166,8 +167,9 @@ def run_chaos(start, port: int, robots: int, hz: float, seconds: float) -> dict:
     server = start()
     ready = wait_ready(server, port)
     log(f"restarted: ready {ready - killed:.2f} s after the kill")
-    deadline = ready + 60
-    while not all(any(t > ready for t in r.installs) for r in fleet) and time.monotonic() < deadline:
+    deadline = ready + 60  # until every robot has a reply to a request sent after the outage
+    while (not all(any(t is not None and read >= killed for read, _, t in r.client.sends) for r in fleet)
+           and time.monotonic() < deadline):
         time.sleep(0.01)
     time.sleep(seconds)
 
@@ -195,11 +197,14 @@ def summarize(fleet, hz, killed, ready, after_kill, after_term, exit_code, close
         # then the robot's share is 0), and the first chunk after ready that came into use.
         first_send = min((sent for read, sent, _ in robot.client.sends if read >= killed), default=None)
         fresh = [t for t in robot.installs if t >= ready]
+        answered = [t for read, sent, t in robot.client.sends if t is not None and read >= killed]
         after_outage = [(read, sent) for read, sent, _ in robot.client.sends if sent >= killed]
         stats = robot.executor.stats
         per_robot.append({
             "max_gap_s": float(gaps.max()) if len(gaps) else None,
             "first_fresh_chunk_after_ready_s": min(fresh) - ready if fresh else None,
+            # answered, used or not (a reply past max_staleness_s is dropped: the server's round trip was too long)
+            "first_reply_after_ready_s": max(0.0, min(answered) - ready) if answered else None,
             # the robot's own share of that: found the server and sent a fresh observation
             "first_fresh_send_after_ready_s": max(0.0, first_send - ready) if first_send is not None else None,
             "sent_after_kill": len(after_outage),

@@ -31,8 +31,9 @@ def test_robots_through_a_sigkill_a_restart_and_a_sigterm(tmp_path):
         stats = robot["stats"]
         assert stats["reconnects"] >= 1 and stats["outage_ticks"] > 0 and stats["connection_failures"] >= 1
     assert chaos["fresh_send_after_ready_s"]["max"] <= ROBOT_SHARE_BOUND_S
-    # Every robot got a fresh chunk back (how soon is the server's round trip: reported, not asserted).
-    assert all(robot["first_fresh_chunk_after_ready_s"] is not None for robot in robots)
+    # Every robot's request after the outage was answered by the restarted server. Whether that chunk is
+    # used depends on the server's round trip (under max_staleness_s): reported, not asserted.
+    assert all(robot["first_reply_after_ready_s"] is not None for robot in robots)
     for stage in ("after_sigkill", "after_sigterm"):
         gone = chaos[stage]
         assert gone["processes"] >= 1 and gone["left"] == 0 and gone["gone_after_s"] <= LEFTOVER_BOUND_S, stage
