@@ -39,14 +39,15 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         raise too_large
     chunks, size = [], 0
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as deadline:
             async for chunk in request.stream():
+                if size <= limit < size + len(chunk):  # from here on, discarding: a fresh timeout for that
+                    deadline.reschedule(asyncio.get_running_loop().time() + timeout_s)
+                    chunks.clear()
                 size += len(chunk)
                 if size > drain_limit:
                     raise too_large
-                if size > limit:
-                    chunks.clear()  # discarded: only read so that the client gets to read its 413
-                else:
+                if size <= limit:
                     chunks.append(chunk)
     except TimeoutError:
         if size > limit:
