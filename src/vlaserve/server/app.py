@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -23,10 +22,10 @@ from .guard import Guard, route_label
 from .metrics import SERVING_STATES
 from .openpi import serve_openpi
 from .page import serve_page
+from .realtime import serve_realtime
 from .schema import ApiError, GenerationRequest
-from .service import ROUTES, ServerSettings, Service, failed_status
-
-log = logging.getLogger(__name__)
+from .service import ROUTES, ServerSettings, Service
+from .sockets import accept
 
 MSGPACK = "application/msgpack"
 # Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
@@ -125,36 +124,11 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.websocket(ROUTES["realtime"])
     async def realtime(websocket: WebSocket) -> None:
-        if not await accept(websocket):
-            return
-        await websocket.send_bytes(packb(service.public_metadata()))
-        try:
-            async for frame, started in service.sessions.frames(websocket):
-                try:
-                    if frame is None:
-                        raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
-                    body = await decode(frame, "msgpack", service.workers)
-                    generation, results, timings = await service.generate(
-                        body, started, msgpack_response=True, client=id(websocket),
-                        rehearsal=functools.partial(service.rehearse_generation, frame))
-                    # An all-failed batch keeps its envelope (each item's error); its status is the items'.
-                    reply, status = service.reply(generation, results, timings, started), failed_status(results)
-                except ApiError as error:
-                    reply, status = error.body(), error.status
-                except Exception:  # noqa: BLE001 - a route bug: this request fails, the session goes on
-                    log.exception("realtime request failed")
-                    error = ApiError(500, "internal_error", "the server failed to handle this request; "
-                                                            "see the server log")
-                    reply, status = error.body(), error.status
-                if "error" in reply:
-                    service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
-                await websocket.send_bytes(packb(reply))
-                service.metrics.request_done(ROUTES["realtime"], status, time.perf_counter() - started, id(websocket))
-        except WebSocketDisconnect:
-            return
+        if await accept(websocket, service):
+            await serve_realtime(websocket, service)
 
     async def openpi(websocket: WebSocket) -> None:
-        if await accept(websocket):
+        if await accept(websocket, service):
             await serve_openpi(websocket, service)
 
     schemas = _request_schemas()
@@ -172,27 +146,6 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
     # openpi-client connects to ws://host:port with no path, so "/" speaks the same protocol.
     app.add_api_websocket_route(ROUTES["openpi"], openpi)
     app.add_api_websocket_route("/", openpi)
-
-    async def accept(websocket: WebSocket) -> bool:
-        """Authorizes at the handshake: a refused client gets HTTP 401 and no websocket. With a
-        websocket redirect (serve-ray's direct websockets), an authorized client is sent there
-        (307, with a ticket standing in for the API key its client drops on the way)."""
-        if service.authorized(websocket.headers) or service.valid_ticket(websocket.query_params.get("ticket")):
-            target = service.websocket_redirect(websocket.scope) if service.websocket_redirect else None
-            if target is None or "websocket.http.response" not in websocket.scope.get("extensions", {}):
-                await websocket.accept()
-                return True
-            if service.settings.api_key is not None:
-                target += ("&" if "?" in target else "?") + "ticket=" + service.ticket()
-            await websocket.send_denial_response(Response(status_code=307, headers={"location": target}))
-            return False
-        service.metrics.errors.labels(websocket.scope["path"], "unauthorized").inc()
-        if "websocket.http.response" in websocket.scope.get("extensions", {}):
-            error = ApiError(401, "unauthorized", "missing or wrong API key")
-            await websocket.send_denial_response(JSONResponse(error.body(), status_code=401))
-        else:
-            await websocket.close(code=1008)
-        return False
 
     return app
 
