@@ -22,7 +22,7 @@ from .bodies import NOT_IN_PLACE, decode_in_place
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
 from .service import Service, ms_since, policy_timing
-from .sockets import serve_frames
+from .sockets import FrameSession
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +95,15 @@ def rehearse(frame: bytes, service: Service) -> bool:
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     _log_transforms_warning()
-    await websocket.send_bytes(packb({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]}))
-    await serve_frames(websocket, service, OpenPISession(websocket, service))
+    await OpenPISession(websocket, service).serve({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]})
 
 
-class OpenPISession:
+class OpenPISession(FrameSession):
     name = "openpi"
     not_binary = "send observations as msgpack binary frames"
 
     def __init__(self, websocket: WebSocket, service: Service):
-        self.websocket, self.service = websocket, service
+        super().__init__(websocket, service)
         self.route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
         self.prev_total_ms = None
 

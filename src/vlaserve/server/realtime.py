@@ -11,20 +11,16 @@ from fastapi import WebSocket
 from .codec import packb
 from .schema import ApiError
 from .service import ROUTES, Service, failed_status
-from .sockets import serve_frames
+from .sockets import FrameSession
 
 
 async def serve_realtime(websocket: WebSocket, service: Service) -> None:
-    await websocket.send_bytes(packb(service.public_metadata()))
-    await serve_frames(websocket, service, RealtimeSession(websocket, service))
+    await RealtimeSession(websocket, service).serve(service.public_metadata())
 
 
-class RealtimeSession:
+class RealtimeSession(FrameSession):
     name = "realtime"
     not_binary = "send each request as a msgpack binary frame"
-
-    def __init__(self, websocket: WebSocket, service: Service):
-        self.websocket, self.service = websocket, service
 
     async def answer(self, body, frame: bytes, started: float) -> tuple[dict, int]:
         service = self.service

@@ -1,57 +1,68 @@
 """What both websocket protocols share: the handshake (authorize, or redirect) and the frame loop.
 
-Each protocol (server.realtime, server.openpi) is a session object with three steps for the loop:
-`answer` turns one decoded frame into its reply (an ApiError, or a route bug as a 500, goes to `fail`),
-`send` sends that reply, and `fail` sends an error and says whether the session goes on."""
+Each protocol (server.realtime, server.openpi) is a FrameSession with three steps for the loop: `answer`
+turns one decoded frame into its reply (an ApiError, or a route bug as a 500, goes to `fail`), `send`
+sends that reply, and `fail` sends an error and says whether the session goes on."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 
 from .bodies import decode
+from .codec import packb
 from .schema import ApiError
 
 log = logging.getLogger(__name__)
 
 
-class FrameSession(Protocol):
-    name: str  # for the log
-    not_binary: str  # the message a text frame is refused with
+class FrameSession:
+    """One websocket session of a protocol, which supplies `answer`, `send` and `fail`."""
 
-    async def answer(self, body: Any, frame: bytes, started: float) -> Any: ...
+    name = "websocket"  # for the log
+    not_binary = "send msgpack binary frames"  # the error a text frame gets
 
-    async def send(self, reply: Any, started: float) -> None: ...
+    def __init__(self, websocket: WebSocket, service):
+        self.websocket, self.service = websocket, service
 
-    async def fail(self, error: ApiError, started: float) -> bool: ...
+    async def serve(self, metadata: dict) -> None:
+        """Sends the metadata frame, then answers the frames in turn (each a msgpack binary frame) until
+        the client leaves, the server drains (server.sessions), or `fail` ends the session."""
+        await self.websocket.send_bytes(packb(metadata))
+        try:
+            async for frame, started in self.service.sessions.frames(self.websocket):
+                try:
+                    if frame is None:
+                        raise ApiError(400, "invalid_frame", self.not_binary)
+                    body = await decode(frame, "msgpack", self.service.workers)
+                    reply = await self.answer(body, frame, started)
+                except ApiError as error:
+                    if not await self.fail(error, started):
+                        return
+                    continue
+                except Exception:  # noqa: BLE001 - the traceback goes to the log, never to the client
+                    log.exception("%s request failed", self.name)
+                    if not await self.fail(ApiError(500, "internal_error", "the server failed to handle this "
+                                                                           "request; see the server log"), started):
+                        return
+                    continue
+                await self.send(reply, started)
+        except WebSocketDisconnect:
+            return
 
+    async def answer(self, body: Any, frame: bytes, started: float) -> Any:
+        """The reply to one decoded frame (`frame`: its bytes, `started`: when it arrived)."""
+        raise NotImplementedError
 
-async def serve_frames(websocket: WebSocket, service, session: FrameSession) -> None:
-    """Answers a websocket's frames in turn (each a msgpack binary frame) until the client leaves, the
-    server drains (server.sessions), or `session.fail` ends it."""
-    try:
-        async for frame, started in service.sessions.frames(websocket):
-            try:
-                if frame is None:
-                    raise ApiError(400, "invalid_frame", session.not_binary)
-                body = await decode(frame, "msgpack", service.workers)
-                reply = await session.answer(body, frame, started)
-            except ApiError as error:
-                if not await session.fail(error, started):
-                    return
-                continue
-            except Exception:  # noqa: BLE001 - the traceback goes to the log, never to the client
-                log.exception("%s request failed", session.name)
-                if not await session.fail(ApiError(500, "internal_error", "the server failed to handle this "
-                                                                          "request; see the server log"), started):
-                    return
-                continue
-            await session.send(reply, started)
-    except WebSocketDisconnect:
-        return
+    async def send(self, reply: Any, started: float) -> None:
+        raise NotImplementedError
+
+    async def fail(self, error: ApiError, started: float) -> bool:
+        """Sends the error; whether the session goes on."""
+        raise NotImplementedError
 
 
 async def accept(websocket: WebSocket, service) -> bool:
