@@ -13,7 +13,8 @@ from .guard import Guard
 from .page import serve_page
 from .routes import ERROR_HANDLERS, MSGPACK, generations, router
 from .schema import GenerationRequest
-from .service import ROUTES, ServerSettings, Service
+from .service import Service
+from .settings import ROUTES, ServerSettings
 
 DOCS_ASSETS = "/docs-assets"
 

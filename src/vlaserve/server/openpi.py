@@ -21,7 +21,8 @@ from ..types import Observation, Request
 from .bodies import NOT_IN_PLACE, decode_in_place
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
-from .service import Service, ms_since, policy_timing
+from .replies import ms_since, policy_timing
+from .service import Service
 from .sockets import FrameSession
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,9 @@ from fastapi import WebSocket
 
 from .codec import packb
 from .schema import ApiError
-from .service import ROUTES, Service, failed_status
+from .replies import failed_status
+from .service import Service
+from .settings import ROUTES
 from .sockets import FrameSession
 
 

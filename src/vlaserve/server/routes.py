@@ -21,7 +21,8 @@ from .metrics import SERVING_STATES
 from .openpi import serve_openpi
 from .realtime import serve_realtime
 from .schema import ApiError
-from .service import ROUTES, Service
+from .service import Service
+from .settings import ROUTES
 from .sockets import accept
 
 MSGPACK = "application/msgpack"
