@@ -43,7 +43,8 @@ from vlaserve import Policy
 from vlaserve.server.codec import packb, unpackb
 from vlaserve.batcher import DeviceClock
 from vlaserve.server.openpi import rehearse, request_from_openpi
-from vlaserve.server.service import ServerSettings, Service, policy_timing
+from vlaserve.server.replies import policy_timing
+from vlaserve.server.service import ServerSettings, Service
 from vlaserve.server.warm import KeepWarm
 
 

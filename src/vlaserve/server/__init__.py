@@ -10,7 +10,7 @@ def __getattr__(name: str):
 
         return create_app
     if name == "ServerSettings":
-        from .service import ServerSettings
+        from .settings import ServerSettings
 
         return ServerSettings
     raise AttributeError(f"module 'vlaserve.server' has no attribute {name!r}")

@@ -1,36 +1,21 @@
-"""The FastAPI app: HTTP + websocket routes over one Service."""
+"""The FastAPI app: the routes (server.routes) over one Service, with its middleware and error handlers."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
-import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 
-from ..about import STARTED
-from .bodies import body_format, decode, read_body
-from .codec import dumps_json, packb, reply_msgpack
-from .guard import Guard, route_label
-from .metrics import SERVING_STATES
-from .openpi import serve_openpi
+from .guard import Guard
 from .page import serve_page
-from .schema import ApiError, GenerationRequest
-from .service import ROUTES, ServerSettings, Service, failed_status
+from .routes import ERROR_HANDLERS, MSGPACK, generations, router
+from .schema import GenerationRequest
+from .service import Service
+from .settings import ROUTES, ServerSettings
 
-log = logging.getLogger(__name__)
-
-MSGPACK = "application/msgpack"
-# Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
-_HTTP_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed"}
 DOCS_ASSETS = "/docs-assets"
 
 
@@ -52,7 +37,8 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                          static_url=DOCS_ASSETS,
                          description="Serving runtime for the Pi0.5 vision-language-action policy. See docs/server.md.")
     serve_page(app)
-    app.state.service = service  # the server's shutdown drains its websocket sessions (server.lifecycle)
+    # The routes find it here; the server's shutdown drains its websocket sessions (server.lifecycle).
+    app.state.service = service
 
     # Added last, so outermost: origins are checked before CORS headers are added or routes run.
     origins = list(service.settings.allowed_origins)
@@ -60,102 +46,12 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "X-API-Key", "Content-Type", "Accept"])
     app.add_middleware(Guard, metrics=service.metrics, allowed_origins=tuple(origins), inference_path=ROUTES["http"])
+    for error, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        service.metrics.errors.labels(route_label(request.scope), error.type).inc()
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        kind = _HTTP_ERROR_TYPES.get(error.status_code, "http_error")
-        return JSONResponse(ApiError(error.status_code, kind, str(error.detail)).body(),
-                            status_code=error.status_code, headers=error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        field = ".".join(str(p) for p in first.get("loc", ())) or None
-        return JSONResponse(ApiError(422, "invalid_request", first.get("msg", "invalid"), field).body(),
-                            status_code=422)
-
-    @app.get("/healthz")
-    async def healthz() -> JSONResponse:
-        # 503 "starting" until the runtime serves (its batch-1 CUDA graphs captured; the rest are
-        # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
-        body = _health(service.policy.runtime.stats())
-        body.update(model=service.identity["model"], is_demo=service.identity["is_demo"])
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        """What /metrics counts, as JSON for people (the page at /): health, uptime, and the inference
-        requests of the last minute with their latency and connections."""
-        return {"object": "server.stats", **_health(service.policy.runtime.stats()),
-                "uptime_s": time.perf_counter() - STARTED, **service.metrics.recent.summary(),
-                "websocket_sessions": service.sessions.open}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/actions/metadata")
-    async def metadata(request: Request) -> dict:
-        service.require_auth(request.headers)
-        return service.public_metadata()
-
-    @app.post(ROUTES["http"], openapi_extra=_request_body_doc(policy.metadata), response_model=None)
-    async def generations(request: Request) -> Response:
-        started = time.perf_counter()
-        service.require_auth(request.headers)
-        fmt = body_format(request.headers.get("content-type"))
-        payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
-        body = await decode(payload, fmt, service.workers)
-        msgpack_response = reply_msgpack(request.headers.get("content-type"), request.headers.get("accept"))
-        generation, results, timings = await service.generate(
-            body, started, msgpack_response, client=_connection(request),
-            rehearsal=functools.partial(service.rehearse_generation, payload) if fmt == "msgpack" else None)
-        reply, status = service.http_reply(generation, results, timings, started)
-        if status != 200:
-            service.metrics.errors.labels(ROUTES["http"], reply["error"]["type"]).inc()
-        if msgpack_response:
-            return Response(packb(reply), status_code=status, media_type=MSGPACK)
-        return Response(dumps_json(reply), status_code=status, media_type="application/json")
-
-    @app.websocket(ROUTES["realtime"])
-    async def realtime(websocket: WebSocket) -> None:
-        if not await accept(websocket):
-            return
-        await websocket.send_bytes(packb(service.public_metadata()))
-        try:
-            async for frame, started in service.sessions.frames(websocket):
-                try:
-                    if frame is None:
-                        raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
-                    body = await decode(frame, "msgpack", service.workers)
-                    generation, results, timings = await service.generate(
-                        body, started, msgpack_response=True, client=id(websocket),
-                        rehearsal=functools.partial(service.rehearse_generation, frame))
-                    # An all-failed batch keeps its envelope (each item's error); its status is the items'.
-                    reply, status = service.reply(generation, results, timings, started), failed_status(results)
-                except ApiError as error:
-                    reply, status = error.body(), error.status
-                except Exception:  # noqa: BLE001 - a route bug: this request fails, the session goes on
-                    log.exception("realtime request failed")
-                    error = ApiError(500, "internal_error", "the server failed to handle this request; "
-                                                            "see the server log")
-                    reply, status = error.body(), error.status
-                if "error" in reply:
-                    service.metrics.errors.labels(ROUTES["realtime"], reply["error"]["type"]).inc()
-                await websocket.send_bytes(packb(reply))
-                service.metrics.request_done(ROUTES["realtime"], status, time.perf_counter() - started, id(websocket))
-        except WebSocketDisconnect:
-            return
-
-    async def openpi(websocket: WebSocket) -> None:
-        if await accept(websocket):
-            await serve_openpi(websocket, service)
+    app.include_router(router)
+    app.add_api_route(ROUTES["http"], generations, methods=["POST"], response_model=None,
+                      openapi_extra=_request_body_doc(policy.metadata))
 
     schemas = _request_schemas()
     default_openapi = app.openapi
@@ -168,32 +64,6 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-
-    # openpi-client connects to ws://host:port with no path, so "/" speaks the same protocol.
-    app.add_api_websocket_route(ROUTES["openpi"], openpi)
-    app.add_api_websocket_route("/", openpi)
-
-    async def accept(websocket: WebSocket) -> bool:
-        """Authorizes at the handshake: a refused client gets HTTP 401 and no websocket. With a
-        websocket redirect (serve-ray's direct websockets), an authorized client is sent there
-        (307, with a ticket standing in for the API key its client drops on the way)."""
-        if service.authorized(websocket.headers) or service.valid_ticket(websocket.query_params.get("ticket")):
-            target = service.websocket_redirect(websocket.scope) if service.websocket_redirect else None
-            if target is None or "websocket.http.response" not in websocket.scope.get("extensions", {}):
-                await websocket.accept()
-                return True
-            if service.settings.api_key is not None:
-                target += ("&" if "?" in target else "?") + "ticket=" + service.ticket()
-            await websocket.send_denial_response(Response(status_code=307, headers={"location": target}))
-            return False
-        service.metrics.errors.labels(websocket.scope["path"], "unauthorized").inc()
-        if "websocket.http.response" in websocket.scope.get("extensions", {}):
-            error = ApiError(401, "unauthorized", "missing or wrong API key")
-            await websocket.send_denial_response(JSONResponse(error.body(), status_code=401))
-        else:
-            await websocket.close(code=1008)
-        return False
-
     return app
 
 
@@ -221,17 +91,3 @@ def _request_body_doc(metadata: dict) -> dict:
         }},
         "responses": {"200": {"description": "an action.generation envelope, or the raw OpenPI-style dict"}},
     }
-
-
-def _health(runtime_stats: dict) -> dict:
-    """"ok" once the runtime serves (its batch-1 CUDA graphs captured; the rest are captured while it
-    serves), and the graphs captured so far. "failed": a capture failed (the log says why); batches may
-    still run on the graphs captured before it, but an orchestrator should restart this server."""
-    state, graphs = runtime_stats["state"], runtime_stats["graphs"]
-    status = "ok" if state in SERVING_STATES else "failed" if state == "failed" else "starting"
-    return {"status": status, "graphs": {k: graphs[k] for k in ("captured", "total")}}
-
-
-def _connection(request: Request) -> tuple | None:
-    """A keep-alive HTTP connection (client address and port): one robot's requests, one after another."""
-    return None if request.client is None else (request.client.host, request.client.port)

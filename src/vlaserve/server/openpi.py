@@ -18,10 +18,12 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
 from ..types import Observation, Request
-from .bodies import NOT_IN_PLACE, decode, decode_in_place
+from .bodies import NOT_IN_PLACE, decode_in_place
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
-from .service import Service, ms_since, policy_timing
+from .replies import ms_since, policy_timing
+from .service import Service
+from .sockets import FrameSession
 
 log = logging.getLogger(__name__)
 
@@ -93,60 +95,60 @@ def rehearse(frame: bytes, service: Service) -> bool:
 
 
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
-    route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
     _log_transforms_warning()
-    await websocket.send_bytes(packb({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]}))
-    prev_total_ms = None
-    try:
-        async for frame, started in service.sessions.frames(websocket):
-            try:
-                if frame is None:
-                    raise ApiError(400, "invalid_frame", "send observations as msgpack binary frames")
-                raw = await decode(frame, "msgpack", service.workers)
-                request = request_from_openpi(raw, service)
-                request.client = id(websocket)
-                decode_ms = ms_since(started)
-                submitted = time.perf_counter()
-                result = await service.infer(request, in_request_body=False,
-                                             rehearsal=functools.partial(rehearse, frame, service))
-                infer_ms = ms_since(submitted)
-            except ApiError as error:
-                await _fail(websocket, service, route, error)
-                return
-            except Exception:  # noqa: BLE001 - the traceback goes to the log, never to the client
-                log.exception("openpi request failed")
-                await _fail(websocket, service, route, ApiError(
-                    500, "internal_error", "the server failed to handle this request; see the server log"))
-                return
+    await OpenPISession(websocket, service).serve({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]})
 
-            encode_start = time.perf_counter()
-            server_timing = {"infer_ms": infer_ms}
-            if prev_total_ms is not None:
-                server_timing["prev_total_ms"] = prev_total_ms
-            reply = {"actions": result.actions, "server_timing": server_timing,
-                     "policy_timing": policy_timing(result.timings)}
-            await websocket.send_bytes(packb(reply))
-            # Like OpenPI: the previous cycle's total, since this cycle's send isn't done when reported;
-            # frame received -> reply sent, so the bookkeeping below is not in it.
-            prev_total_ms = ms_since(started)
-            service.metrics.observe_stages({"decode_ms": decode_ms, **result.timings,
-                                            "encode_ms": ms_since(encode_start)})
-            service.metrics.request_done(route, 200, prev_total_ms / 1000.0, id(websocket))
-    except WebSocketDisconnect:
-        return
+
+class OpenPISession(FrameSession):
+    name = "openpi"
+    not_binary = "send observations as msgpack binary frames"
+
+    def __init__(self, websocket: WebSocket, service: Service):
+        super().__init__(websocket, service)
+        self.route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
+        self.prev_total_ms = None
+
+    async def answer(self, raw, frame: bytes, started: float) -> tuple:
+        """The request's result, and the time to decode it and to infer it (ms)."""
+        request = request_from_openpi(raw, self.service)
+        request.client = id(self.websocket)
+        decode_ms = ms_since(started)
+        submitted = time.perf_counter()
+        result = await self.service.infer(request, in_request_body=False,
+                                          rehearsal=functools.partial(rehearse, frame, self.service))
+        return result, decode_ms, ms_since(submitted)
+
+    async def send(self, answered: tuple, started: float) -> None:
+        result, decode_ms, infer_ms = answered
+        encode_start = time.perf_counter()
+        server_timing = {"infer_ms": infer_ms}
+        if self.prev_total_ms is not None:
+            server_timing["prev_total_ms"] = self.prev_total_ms
+        reply = {"actions": result.actions, "server_timing": server_timing,
+                 "policy_timing": policy_timing(result.timings)}
+        await self.websocket.send_bytes(packb(reply))
+        # Like OpenPI: the previous cycle's total, since this cycle's send isn't done when reported;
+        # frame received -> reply sent, so the bookkeeping below is not in it.
+        self.prev_total_ms = ms_since(started)
+        metrics = self.service.metrics
+        metrics.observe_stages({"decode_ms": decode_ms, **result.timings, "encode_ms": ms_since(encode_start)})
+        metrics.request_done(self.route, 200, self.prev_total_ms / 1000.0, id(self.websocket))
+
+    async def fail(self, error: ApiError, started: float) -> bool:
+        """One line, `type: field: message`, the same type and message an HTTP client would get; then the
+        socket closes (openpi-client raises the line as RuntimeError)."""
+        metrics = self.service.metrics
+        metrics.errors.labels(self.route, error.type).inc()
+        metrics.request_done(self.route, error.status, None, id(self.websocket))
+        try:
+            await self.websocket.send_text(f"{error.type}: {error.field + ': ' if error.field else ''}{error.message}")
+            await self.websocket.close(code=INTERNAL_ERROR, reason="Request failed; the reason is in the previous frame.")
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client is already gone
+        return False
 
 
 @functools.cache
 def _log_transforms_warning() -> None:
     log.warning("an OpenPI client connected: %s", TRANSFORMS_WARNING)
 
-
-async def _fail(websocket: WebSocket, service: Service, route: str, error: ApiError) -> None:
-    """One line, `type: field: message`, the same type and message an HTTP client would get."""
-    service.metrics.errors.labels(route, error.type).inc()
-    service.metrics.request_done(route, error.status, None, id(websocket))
-    try:
-        await websocket.send_text(f"{error.type}: {error.field + ': ' if error.field else ''}{error.message}")
-        await websocket.close(code=INTERNAL_ERROR, reason="Request failed; the reason is in the previous frame.")
-    except (WebSocketDisconnect, RuntimeError):
-        pass  # the client is already gone

@@ -1,89 +1,38 @@
-"""What every route shares: the policy, its batcher, settings and metrics, and the steps common to
-all protocols (authorize, validate, infer, time)."""
+"""Service: a validated request to a batcher submission and a reply, for every protocol's routes.
+
+Beside it: the settings (server.settings), the API key (server.access), the metadata clients read
+(server.metadata), the reply body and the timings (server.replies)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import time
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..batcher import Batcher, BatcherClosed
 from ..errors import InvalidInput, NonFiniteActions, NotServing
-from ..processing.images import MAX_IMAGE_SIDE
-from ..processing.layouts import KeyLayout, camera_aliases
-from ..types import (MAX_GUIDANCE_WEIGHT, MAX_INFERENCE_STEPS, MAX_NOISE_ABS, MAX_RTC_ABS, MAX_TASK_CHARS,
-                     InferenceResult, Request)
+from ..processing.layouts import KeyLayout
+from ..types import InferenceResult, Request
+from .access import TICKET_LIFETIME_S, Access
 from .bodies import NOT_IN_PLACE, decode_in_place
-from .codec import MAX_NESTING_DEPTH, packb
+from .codec import packb
+from .metadata import public_metadata
 from .metrics import Metrics
+from .replies import HOST_STAGES, MODEL_STAGES, failed_status, ms_since, reply_body
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
+from .settings import ServerSettings
 from .warm import KeepWarm
 from .workers import Workers
-
-MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
-# Where the host time around the device goes (OpenPI's policy_timing carries them too): checking and
-# preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
-# inference thread, and the hand-back of its result to the event loop; and, for a batch launched
-# behind a running one, the device's time between the two (runtime/fast/graphs.py EventTimes).
-HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms", "launch_gap_ms")
-TICKET_LIFETIME_S = 60.0
-ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    api_key: str | None = None
-    max_payload_bytes: int = 64 * 2**20
-    batch_delay_ms: float = 0.0
-    camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
-    body_timeout_s: float = 60.0
-    allowed_origins: tuple[str, ...] = ()  # browser origins that may call; "*" for any
-    # Decoding and preprocessing, off the event loop: threads, decode processes, and the most jobs
-    # waiting or running before new ones get 503.
-    worker_threads: int = 4
-    decode_processes: int = 1
-    max_pending: int = 64
-    # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
-    overlap: bool = True
-    keep_warm: bool = True  # server/warm.py
-    direct_launch: bool = True  # a lone request launched by the thread that prepared it (vlaserve/batcher.py)
-
-    @classmethod
-    def from_options(cls, options: Mapping) -> "ServerSettings":
-        """What `vlaserve serve` and each `serve-ray` replica build from the same options
-        (options.serve_options). The batch size limit is the policy's (RuntimeConfig.batch_limit)."""
-        return cls(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
-                   batch_delay_ms=options["batch_delay_ms"],
-                   camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
-                   allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
-                   overlap=not options["serial_batches"], keep_warm=options["keep_warm"],
-                   direct_launch=options["direct_launch"])
-
-
-def ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1000.0
-
-
-def policy_timing(model_timings: Mapping[str, float]) -> dict[str, float]:
-    """OpenPI's `policy_timing`: the policy's stages, and the size of the batch the request ran in
-    (the device time is that batch's)."""
-    timing = {k: float(model_timings[k]) for k in (*MODEL_STAGES, *HOST_STAGES) if k in model_timings}
-    if "batch_size" in model_timings:
-        timing["batch_size"] = int(model_timings["batch_size"])
-    return timing
 
 
 class Service:
     def __init__(self, policy, settings: ServerSettings):
         self.policy = policy
         self.settings = settings
+        self.access = Access(settings.api_key)
         # What the hot path reads, fixed at startup (the live metadata is built per metadata request).
         m = policy.metadata
         # What a request's `model` may name: the served name, the checkpoint's path, the hub id it records.
@@ -125,80 +74,29 @@ class Service:
         if self.workers is not None:
             self.workers.close()
 
+    # The API key's checks (server.access), where the routes, the handshake and the fleet call them.
     def authorized(self, headers: Mapping[str, str]) -> bool:
-        """`Authorization: Bearer KEY`, `X-API-Key: KEY`, or openpi-client's `Authorization: Api-Key KEY`."""
-        key = self.settings.api_key
-        if key is None:
-            return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        offered = [headers.get("x-api-key", "")]
-        if scheme.lower() in ("bearer", "api-key"):
-            offered.append(token.strip())
-        return any(hmac.compare_digest(o.encode(), key.encode()) for o in offered if o)
-
-    def ticket(self, lifetime_s: float = TICKET_LIFETIME_S) -> str:
-        """A short-lived proof of a checked API key, for a URL (a client following a redirect to
-        another host or port drops its Authorization header)."""
-        expires = str(int(time.time() + lifetime_s))
-        return f"{expires}.{self._sign(expires)}"
-
-    def valid_ticket(self, ticket: str | None) -> bool:
-        if self.settings.api_key is None or not ticket:
-            return False
-        expires, _, signature = ticket.partition(".")
-        return (expires.isdigit() and int(expires) >= time.time()
-                and hmac.compare_digest(signature.encode(), self._sign(expires).encode()))
-
-    def _sign(self, text: str) -> str:
-        return hmac.new(self.settings.api_key.encode(), b"vlaserve-ticket:" + text.encode(), hashlib.sha256).hexdigest()
+        return self.access.authorized(headers)
 
     def require_auth(self, headers: Mapping[str, str]) -> None:
-        if not self.authorized(headers):
-            raise ApiError(401, "unauthorized", "missing or wrong API key "
-                                                "(send 'Authorization: Bearer KEY' or 'X-API-Key: KEY')")
+        self.access.require_auth(headers)
+
+    def ticket(self, lifetime_s: float = TICKET_LIFETIME_S) -> str:
+        return self.access.ticket(lifetime_s)
+
+    def valid_ticket(self, ticket: str | None) -> bool:
+        return self.access.valid_ticket(ticket)
 
     @property
     def metadata(self) -> dict:
         return self.policy.metadata  # live: fast path, prefix-cache stats and readiness change
 
     def public_metadata(self) -> dict:
-        """SGLang's action.metadata structure (input, output, defaults, capabilities: what its clients
-        read), with vlaserve's own fields beside it (the flat ones OpenPI clients read, limits, protocols)."""
-        m = self.metadata
-        cache, graphs = m["prefix_cache"] is not None, bool(m["fast_path"])
-        return {
-            **m,
-            "object": "action.metadata",
-            "policy_family": m["policy_type"],
-            "input": {"image_keys": m["cameras"], "image_size": m["image_resolution"], "state_dim": m["state_dim"]},
-            "output": {"action_type": "continuous", "action_horizon": m["action_horizon"],
-                       "action_dim": m["action_dim"], "padded_action_dim": m["max_action_dim"], "dtype": "float32"},
-            "defaults": {"num_inference_steps": m["num_inference_steps"], "action_horizon": m["action_horizon"],
-                         "prefix_cache": "auto" if cache else False, "cuda_graph": "auto" if graphs else False,
-                         "return_timing": True, "response_format": "envelope",
-                         "output_format": {"json": "list", "msgpack": "numpy"}},
-            "capabilities": {"exact_prefix_cache": cache, "cuda_graph": graphs, "realtime_websocket": True,
-                             "openpi_websocket": True, "batch_inputs": True,
-                             "max_batch_size": self.batch_limit, "multiple_candidates": False,
-                             "rtc": True},
-            "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": self.settings.max_payload_bytes,
-                       "max_batch_size": self.batch_limit, "batch_delay_ms": self.settings.batch_delay_ms,
-                       "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
-                       "max_nesting_depth": MAX_NESTING_DEPTH, "max_noise_abs": MAX_NOISE_ABS,
-                       "max_guidance_weight": MAX_GUIDANCE_WEIGHT, "max_rtc_abs": MAX_RTC_ABS,
-                       "body_timeout_s": self.settings.body_timeout_s},
-            "protocols": {
-                "http": {"path": ROUTES["http"], "content_types": ["application/json", "application/msgpack"]},
-                "realtime": {"path": ROUTES["realtime"], "encoding": "msgpack"},
-                "openpi": {"path": ROUTES["openpi"], "also_at": "/", "encoding": "msgpack-numpy"},
-            },
-            "camera_aliases": self.settings.camera_aliases,
-            "keep_warm": self.keep_warm.stats(),
-            "direct_launch": {"enabled": self.settings.direct_launch,
-                              "launches": self.batcher.direct_launches if self.batcher is not None else 0},
-            # What vlaserve_client reads: RTC on /v1 routes, and in which spaces prev_chunk may come.
-            "features": {"rtc": True, "rtc_spaces": ["model"] if m["relative_actions"] else ["model", "action"]},
-        }
+        """server.metadata's, with this server's keep-warm and direct-launch counts."""
+        return {**public_metadata(self.metadata, self.settings, self.batch_limit),
+                "keep_warm": self.keep_warm.stats(),
+                "direct_launch": {"enabled": self.settings.direct_launch,
+                                  "launches": self.batcher.direct_launches if self.batcher is not None else 0}}
 
     async def prepare(self, requests: list, in_request_body: bool) -> list:
         """Checks each request against the checkpoint and preprocesses it, on worker threads: the
@@ -355,68 +253,7 @@ class Service:
         return True
 
     def reply_body(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
-        """The response body. `encode_ms` covers converting the actions to their wire form; the final
-        serialization of the body follows the timings it contains, so it can't be in them."""
-        encode_start = time.perf_counter()
-        h = generation.action_horizon
-        actions = [None if isinstance(r, ApiError) else r.actions[:h] for r in results]
-        values = [a if a is None or generation.output_format == "numpy" else a.tolist() for a in actions]
-        timings["encode_ms"] = ms_since(encode_start)
-        timings["total_ms"] = ms_since(started)
-        answered = [r for r in results if not isinstance(r, ApiError)]
-        if generation.response_format == "raw":
-            server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms") if k in timings}
-            body = {"server_timing": server}
-            if answered:
-                body["policy_timing"] = policy_timing(answered[-1].timings)
-            if not generation.batched:
-                body["actions"] = values[0]
-            elif len(answered) == len(results):  # [B, H, D]
-                stacked = np.stack(actions)
-                body["actions"] = stacked if generation.output_format == "numpy" else stacked.tolist()
-            else:  # an item failed: its actions are null, its error is in `errors`
-                body["actions"] = values
-                body["errors"] = [r.body()["error"] if isinstance(r, ApiError) else None for r in results]
-            return body
-        data = []
-        for i, (result, value, array) in enumerate(zip(results, values, actions)):
-            item = {"index": i, "input_index": i, "candidate_index": 0}
-            if isinstance(result, ApiError):
-                item.update(result.body())
-            else:
-                item["action"] = {"type": "continuous", "values": value, "shape": list(array.shape),
-                                  "dtype": str(array.dtype)}
-            data.append(item)
-        shape = next((a.shape for a in actions if a is not None), (0, 0))
-        body = {
-            "id": f"actgen-{uuid.uuid4().hex}",
-            "object": "action.generation",
-            "created": int(time.time()),
-            "model": self.identity["model"],
-            "data": data,
-            "usage": {"batch_size": len(results), "action_horizon": shape[0], "action_dim": shape[1],
-                      "denoise_steps": self._steps(generation)},
-        }
-        warnings = sorted({w for r in answered for w in r.warnings})
-        if warnings:
-            body["warnings"] = warnings
-        if generation.return_timing:
-            body["timings"] = {k: timings[k] for k in
-                               ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "total_ms")
-                               if k in timings}
-        return body
-
-    def _steps(self, generation: Generation) -> int:
-        request = next((r for r in generation.requests if isinstance(r, Request)), None)
-        return (request.num_steps if request is not None and request.num_steps else
-                self.identity["num_inference_steps"])
-
-
-def failed_status(results: list) -> int:
-    """200 when any observation was answered, else the items' status (the highest where they differ)."""
-    if any(not isinstance(r, ApiError) for r in results):
-        return 200
-    return max(r.status for r in results)
+        return reply_body(generation, results, timings, started, self.identity)
 
 
 def _prepare_and_queue_one(policy, batcher: Batcher, request: Request,

@@ -1,0 +1,97 @@
+"""The reply to a /v1 request, and the timings every protocol reports."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..types import Request
+from .schema import ApiError, Generation
+
+MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postprocess_ms")
+# Where the host time around the device goes (OpenPI's policy_timing carries them too): checking and
+# preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
+# inference thread, and the hand-back of its result to the event loop; and, for a batch launched
+# behind a running one, the device's time between the two (runtime/fast/graphs.py EventTimes).
+HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms", "launch_gap_ms")
+
+
+def ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+def policy_timing(model_timings: Mapping[str, float]) -> dict[str, float]:
+    """OpenPI's `policy_timing`: the policy's stages, and the size of the batch the request ran in
+    (the device time is that batch's)."""
+    timing = {k: float(model_timings[k]) for k in (*MODEL_STAGES, *HOST_STAGES) if k in model_timings}
+    if "batch_size" in model_timings:
+        timing["batch_size"] = int(model_timings["batch_size"])
+    return timing
+
+
+def failed_status(results: list) -> int:
+    """200 when any observation was answered, else the items' status (the highest where they differ)."""
+    if any(not isinstance(r, ApiError) for r in results):
+        return 200
+    return max(r.status for r in results)
+
+
+def reply_body(generation: Generation, results: list, timings: dict, started: float, identity: Mapping) -> dict:
+    """The response body. `encode_ms` covers converting the actions to their wire form; the final
+    serialization of the body follows the timings it contains, so it can't be in them."""
+    encode_start = time.perf_counter()
+    h = generation.action_horizon
+    actions = [None if isinstance(r, ApiError) else r.actions[:h] for r in results]
+    values = [a if a is None or generation.output_format == "numpy" else a.tolist() for a in actions]
+    timings["encode_ms"] = ms_since(encode_start)
+    timings["total_ms"] = ms_since(started)
+    answered = [r for r in results if not isinstance(r, ApiError)]
+    if generation.response_format == "raw":
+        server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms") if k in timings}
+        body = {"server_timing": server}
+        if answered:
+            body["policy_timing"] = policy_timing(answered[-1].timings)
+        if not generation.batched:
+            body["actions"] = values[0]
+        elif len(answered) == len(results):  # [B, H, D]
+            stacked = np.stack(actions)
+            body["actions"] = stacked if generation.output_format == "numpy" else stacked.tolist()
+        else:  # an item failed: its actions are null, its error is in `errors`
+            body["actions"] = values
+            body["errors"] = [r.body()["error"] if isinstance(r, ApiError) else None for r in results]
+        return body
+    data = []
+    for i, (result, value, array) in enumerate(zip(results, values, actions)):
+        item = {"index": i, "input_index": i, "candidate_index": 0}
+        if isinstance(result, ApiError):
+            item.update(result.body())
+        else:
+            item["action"] = {"type": "continuous", "values": value, "shape": list(array.shape),
+                              "dtype": str(array.dtype)}
+        data.append(item)
+    shape = next((a.shape for a in actions if a is not None), (0, 0))
+    body = {
+        "id": f"actgen-{uuid.uuid4().hex}",
+        "object": "action.generation",
+        "created": int(time.time()),
+        "model": identity["model"],
+        "data": data,
+        "usage": {"batch_size": len(results), "action_horizon": shape[0], "action_dim": shape[1],
+                  "denoise_steps": _steps(generation, identity["num_inference_steps"])},
+    }
+    warnings = sorted({w for r in answered for w in r.warnings})
+    if warnings:
+        body["warnings"] = warnings
+    if generation.return_timing:
+        body["timings"] = {k: timings[k] for k in
+                           ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "total_ms")
+                           if k in timings}
+    return body
+
+
+def _steps(generation: Generation, default: int) -> int:
+    request = next((r for r in generation.requests if isinstance(r, Request)), None)
+    return request.num_steps if request is not None and request.num_steps else default
