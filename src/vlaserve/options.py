@@ -27,13 +27,6 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "log_requests": (bool, False, None, "log one INFO line per finished request: route, status, milliseconds"),
     "batch_delay_ms": (float, 0.0, "MS", "extra wait of a batch for company (0: a request runs as soon as the device "
                                          "is free, with everything queued meanwhile)"),
-    "serial_batches": (bool, False, None, "form the next batch only once the last is answered (default: enqueue it "
-                                          "on the device while the last one finishes; for measurement)"),
-    "keep_warm": (bool, True, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
-                                    "predicted to end, so its reply and next frame find that code warm"),
-    "direct_launch": (bool, True, None, "launch a lone request that would run at once (device idle, nothing queued, no "
-                                        "robot due back, every graph captured) from the thread that prepared it, "
-                                        "without waking the batcher's launch thread"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -105,9 +104,8 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
         payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
         body = await decode(payload, fmt, service.workers)
         msgpack_response = reply_msgpack(request.headers.get("content-type"), request.headers.get("accept"))
-        generation, results, timings = await service.generate(
-            body, started, msgpack_response, client=_connection(request),
-            rehearsal=functools.partial(service.rehearse_generation, payload) if fmt == "msgpack" else None)
+        generation, results, timings = await service.generate(body, started, msgpack_response,
+                                                              client=_connection(request))
         reply = service.reply(generation, results, timings, started)
         if msgpack_response:
             return Response(packb(reply), media_type=MSGPACK)
@@ -125,8 +123,7 @@ def create_app(policy, settings: ServerSettings | None = None) -> FastAPI:
                         raise ApiError(400, "invalid_frame", "send each request as a msgpack binary frame")
                     body = await decode(frame, "msgpack", service.workers)
                     generation, results, timings = await service.generate(
-                        body, started, msgpack_response=True, client=id(websocket),
-                        rehearsal=functools.partial(service.rehearse_generation, frame))
+                        body, started, msgpack_response=True, client=id(websocket))
                     reply, status = service.reply(generation, results, timings, started), 200
                 except ApiError as error:
                     reply, status = error.body(), error.status

@@ -10,7 +10,6 @@ closes with 1011.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -18,7 +17,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
 from ..types import Observation, Request
-from .bodies import NOT_IN_PLACE, decode, decode_in_place
+from .bodies import decode
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
 from .service import Service, ms_since, policy_timing
@@ -73,19 +72,6 @@ def request_from_openpi(raw, service: Service) -> Request:
         raise api_error(e) from None
 
 
-def rehearse(frame: bytes, service: Service) -> bool:
-    """Keep-warm's rehearsal (server/warm.py) of what this socket runs on the event loop for a frame of
-    raw camera bytes: decoding it, building and preparing its request, encoding a reply; nothing of it
-    is kept, queued, counted or sent. (A frame decoded by a worker thread is not rehearsed here.)"""
-    raw = decode_in_place(frame)
-    if raw is NOT_IN_PLACE:
-        return False
-    result = service.rehearse_request(request_from_openpi(raw, service))
-    packb({"actions": result.actions, "server_timing": {"infer_ms": 0.0, "prev_total_ms": 0.0},
-           "policy_timing": policy_timing(result.timings)})
-    return True
-
-
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     route = websocket.scope["path"]  # /openpi/policy, or / for clients that connect without a path
     await websocket.send_bytes(packb(service.public_metadata()))
@@ -100,8 +86,7 @@ async def serve_openpi(websocket: WebSocket, service: Service) -> None:
                 request.client = id(websocket)
                 decode_ms = ms_since(started)
                 submitted = time.perf_counter()
-                result = await service.infer(request, in_request_body=False,
-                                             rehearsal=functools.partial(rehearse, frame, service))
+                result = await service.infer(request, in_request_body=False)
                 infer_ms = ms_since(submitted)
             except ApiError as error:
                 await _fail(websocket, service, route, error)
