@@ -66,7 +66,7 @@ COMPANY_WAIT_S = 0.005
 # decoding and preparing) are waited for. A paced robot's think time is its period minus its
 # latency (a 4 Hz robot: ~230 ms), and its return predicted from it is off by however much its
 # latency moved: waiting for it delayed whole batches for robots that did not come, which turned
-# 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet run 177).
+# 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet).
 BACK_TO_BACK_S = 0.010
 
 

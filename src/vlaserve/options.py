@@ -53,6 +53,8 @@ def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
 
 RUNTIME_OPTIONS = _runtime_options()
 SERVE_OPTIONS = {**SERVER_OPTIONS, **RUNTIME_OPTIONS}
+# Keys of the --config file that are no command-line flag (RuntimeConfig's `flag=False` fields).
+CONFIG_FILE_ONLY = frozenset(f.name for f in RuntimeConfig.options() if not f.metadata["flag"])
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 DEMO_HELP = "which built-in DEMO (tiny, random weights) to use without a checkpoint (default: pi05)"
 
@@ -69,9 +71,12 @@ def checkpoint_or_demo(checkpoint: str | None, demo: str | None) -> str:
 
 
 def add_options(parser: argparse.ArgumentParser, options: dict[str, tuple[type, object, str, str]]) -> None:
-    """One --flag per option (name -> type, default, metavar, help); booleans are switches: --name turns
-    one that is off by default on, --no-name one that is on by default off."""
+    """One --flag per option (name -> type, default, metavar, help), those of the config file only
+    left out; booleans are switches: --name turns one that is off by default on, --no-name one that is
+    on by default off."""
     for name, (kind, default, metavar, text) in options.items():
+        if name in CONFIG_FILE_ONLY:
+            continue
         flag = f"--{name.replace('_', '-')}"
         if kind is bool:
             if default:

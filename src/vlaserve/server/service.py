@@ -29,7 +29,7 @@ MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postpr
 # Where the host time around the device goes (OpenPI's policy_timing carries them too): checking and
 # preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
 # inference thread, and the hand-back of its result to the event loop; and, for a batch launched
-# behind a running one, the device's time between the two (runtime/fast/graphs.py EventTimes).
+# behind a running one, the device's time between the two (runtime/graphs.py EventTimes).
 HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms", "launch_gap_ms")
 TICKET_LIFETIME_S = 60.0
 ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime", "openpi": "/openpi/policy"}
@@ -231,8 +231,8 @@ class Service:
         """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
         ones' futures, when preparing ended). A lone request of raw frames (a robot's) is prepared and
         queued right here; another lone one (PNG / JPEG to decode, frames to resize on the host) by
-        the worker that prepared it, without a hop back through the event loop first (135 us at p50
-        on an H200 server's CPU, 90 on a 2-core one: bench_prepare's hops)."""
+        the worker that prepared it, without a hop back through the event loop first (bench_prepare's
+        hops)."""
         todo = [r for r in requests if isinstance(r, Request)]
         if len(todo) != 1:
             prepared = await self.prepare(requests, in_request_body)
