@@ -17,8 +17,7 @@ share around it (the OpenPI socket's prev_total_ms, frame received -> reply sent
 time), each stage p50 and p99. Per level, where its slowest 1% of answers spent their time, and the
 device time per batch size; per paced level, the floor an ideal batcher would reach on this run's
 batch times and these robots' phases (fleet_model.py): a p99 above it is the server's, a floor above
-a target the device's; how many keep-warm rehearsals ran (`--serve-args "--no-keep-warm"`: none) and how many
-requests were launched directly (`--no-direct-launch`: none). Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
+a target the device's. Writes bench_fleet[_LABEL].json and .png; --smoke serves the golden
 checkpoint on the CPU to 1 and 2 robots for a second each.
 
     python bench/bench_fleet.py --chaos [--robots 16] [--hz 4] [--seconds 8] ...
@@ -275,11 +274,6 @@ def main() -> None:
                 f"{level['batches']}, errors {level['errors']}, wrong {level['wrong']}, crossed {level['crossed']}, "
                 f"captures {level['captures_during']}, uncaptured {level['uncaptured_during']}")
         add_floors(results, int(meta["max_batch_size"]), args.seconds)
-        end_meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
-        results["keep_warm"] = end_meta.get("keep_warm")  # how many rehearsals ran (server/warm.py)
-        log("keep-warm:", results["keep_warm"])
-        results["direct_launch"] = end_meta.get("direct_launch")  # lone requests launched by their own thread
-        log("direct launch:", results["direct_launch"])
     finally:
         _, results["server_log_tail"] = stop_server(server, log_path)
     stem = f"bench_fleet{'_' + args.label if args.label else ''}"

@@ -17,8 +17,8 @@ each alone, and a prompt bucket served from graphs captured at warm-up; writes g
 and with RTC guidance (with p50 times; the same inputs sent from host memory, as the server sends them,
 must give the same actions: `from_host_bit_identical`); --compare-actions FILE compares them bit for bit with a file
 saved on another tree: the gate of a refactor that must not change what is computed. With
---capture-warmups MODE the graphs are captured first through a plan, as the server captures them,
-with that warm-up mode (on_new_kernel against per_kernel: the same graphs, bit for bit).
+--through-plan the graphs are captured first through a plan, as the server captures them (against
+each graph captured on its first call: the same graphs, bit for bit).
 --precision fp8 adds the same model with SigLIP's and the prefix's linear layers in fp8 (per-token
 activation scales), served by the fast path: time per call and per stage at the default bucket next
 to bf16's, the prefix's TFLOP/s against the fp8 GEMM ceiling measured in the same run, weight bytes,
@@ -27,7 +27,7 @@ its max|Δ| vs fp32 next to bf16's over several inputs per batch size, and its c
     python bench/bench_gpu.py [--lerobot] [--batches 1,2,4,8] [--gemm-library quack] [--precision fp8] [--out DIR]
     python bench/bench_gpu.py --golden-only [--actions after.pt --compare-actions before.pt]
     python bench/bench_gpu.py --golden-only --launch-table sm89 --actions sm89.pt --compare-actions sm90.pt
-    python bench/bench_gpu.py --golden-only --capture-warmups on_new_kernel --actions new.pt --compare-actions before.pt
+    python bench/bench_gpu.py --golden-only --through-plan --actions new.pt --compare-actions before.pt
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from common import (HORIZON, STEPS, TOKENS, VALID_TOKENS, bench_model, golden_ch
                     make_inputs, maxdiff, parser, per_item_max, pyplot, sample, save_json, save_png, time_ms)
 from vlaserve import Policy
 from vlaserve.checkpoint.weights import to_lerobot_name
-from vlaserve.config import ATTENTION_LIBRARIES, CAPTURE_WARMUPS, GEMM_LIBRARIES, RuntimeConfig
+from vlaserve.config import ATTENTION_LIBRARIES, GEMM_LIBRARIES, RuntimeConfig
 from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 from vlaserve.model.fp8 import E4M3, convert_to_fp8
 from vlaserve.model.pi05 import Pi05Model
 from vlaserve.model.rtc import RTCGuidance
 from vlaserve.precision import cosines
-from vlaserve.runtime.capture import capture_plan
+from vlaserve.startup.plan import capture_plan
 from vlaserve.runtime.runner import EagerRunner
 from vlaserve.types import ModelInputs
 
@@ -209,21 +209,19 @@ LAUNCH_TABLE_TARGETS = {"sm80": 80, "sm89": 89, "sm90": 90, "sm100": 100}
 launch_table: str | None = None
 
 
-def runners(model, policy_config, device: str, gemm_library: str, attention_library: str,
-            capture_warmups: str = "per_kernel") -> dict:
+def runners(model, policy_config, device: str, gemm_library: str, attention_library: str) -> dict:
     """The variants timed, the served one first: on CUDA the fast path with Triton kernels and
     graphs, with torch's kernels and graphs, with neither; on a CPU (--smoke) the eager runner."""
     if device != "cuda":
         return {"eager_runner": EagerRunner(model, torch.device(device))}
-    from vlaserve.runtime.fast.graphs import FastRunner
+    from vlaserve.runtime.graphs import FastRunner
     from vlaserve.runtime.fast.launch_tables import use_launch_table
     from vlaserve.runtime.fast.targets import TARGETS, choose_target
 
     use_launch_table(TARGETS[LAUNCH_TABLE_TARGETS[launch_table]] if launch_table else choose_target(torch.device(device)))
 
     return {"fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
-                                             gemm_library=gemm_library, attention_library=attention_library,
-                                             warmups=capture_warmups),
+                                             gemm_library=gemm_library, attention_library=attention_library),
             "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
             "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False)}
 
@@ -367,24 +365,22 @@ def golden_suite(device: str) -> dict:
     return out
 
 
-def served_actions(smoke: bool, device: str, capture_warmups: str | None = None) -> dict:
+def served_actions(smoke: bool, device: str, through_plan: bool = False) -> dict:
     """--actions: the served runner's actions on the random model (seed 0) for make_inputs(b, seed=b)
     at batch 1, 2, 4, 8 (--smoke: 1, 2), without and with RTC guidance (drawn from seed b), and
     their p50 ms: {"actions": {b: tensor}, "rtc_actions": {b: tensor}, "p50_ms": {b: ms}} (files
     saved before RTC was added, as bench/fast_path_actions.py's at 0bdbea4, compare their part).
-    `capture_warmups` (CUDA): the graphs captured first, as the server does (FastRunner.capture
-    through a plan of these batch sizes at the bench's shape), with that warm-up mode; else each
-    on its first call."""
+    `through_plan` (CUDA): the graphs captured first, as the server does (FastRunner.capture
+    through a plan of these batch sizes at the bench's shape); else each on its first call."""
     model, policy_config = bench_model(smoke, device)
     batches = (1, 2) if smoke else (1, 2, 4, 8)
-    runner = next(iter(runners(model, policy_config, device, "cublas", "triton",
-                               capture_warmups or "per_kernel").values()))
-    planned = capture_warmups is not None and device == "cuda"
+    runner = next(iter(runners(model, policy_config, device, "cublas", "triton").values()))
+    planned = through_plan and device == "cuda"
     if planned:
         plan = capture_plan(batches, (TOKENS,), len(policy_config.cameras))
         for key in plan:
             runner.capture(key, STEPS)
-        log(f"{len(plan)} graphs captured through the plan ({capture_warmups}): "
+        log(f"{len(plan)} graphs captured through the plan: "
             f"{runner.warm_ups_skipped} warm-ups skipped")
     out, rtc_out, times, from_host = {}, {}, {}, {}
     for b in batches:
@@ -401,7 +397,7 @@ def served_actions(smoke: bool, device: str, capture_warmups: str | None = None)
     result = {"actions": out, "rtc_actions": rtc_out, "p50_ms": times, "from_host_bit_identical": from_host}
     if planned:  # every call ran on the plan's graphs
         assert runner.uncaptured_calls == 0 and runner.request_path_captures == 0, vars(runner)
-        return {**result, "capture_warmups": capture_warmups, "warm_ups_skipped": runner.warm_ups_skipped}
+        return {**result, "through_plan": True, "warm_ups_skipped": runner.warm_ups_skipped}
     return result
 
 
@@ -598,9 +594,9 @@ def main():
                     help="only the golden cases and exactness checks on the device (golden_gpu.json), seconds")
     ap.add_argument("--actions", metavar="FILE", help="save the served actions at batch 1, 2, 4, 8 (torch.save)")
     ap.add_argument("--compare-actions", metavar="FILE", help="compare them bit for bit with a saved FILE")
-    ap.add_argument("--capture-warmups", choices=CAPTURE_WARMUPS,
-                    help="--actions: capture the graphs first, as the server does, with this warm-up mode "
-                         "(RuntimeConfig.capture_warmups; default: each graph on its first call)")
+    ap.add_argument("--through-plan", action="store_true",
+                    help="--actions: capture the graphs first, as the server does (default: each graph on "
+                         "its first call)")
     ap.add_argument("--launch-table", choices=sorted(LAUNCH_TABLE_TARGETS),
                     help="run the fast path with this GPU family's launch table and features (default: this "
                          "GPU's; sm89 or sm80 on an H200: the portable path, no TMA, no PDL)")
@@ -617,9 +613,9 @@ def main():
     if args.golden_only or args.actions or args.compare_actions:
         golden = golden_suite(device)
         if args.actions or args.compare_actions:
-            now = served_actions(args.smoke, device, args.capture_warmups)
+            now = served_actions(args.smoke, device, args.through_plan)
             golden["launch_table"], golden["served_p50_ms"] = args.launch_table or "auto", now["p50_ms"]
-            golden["capture_warmups"] = now.get("capture_warmups")
+            golden["through_plan"] = now.get("through_plan", False)
             golden["warm_ups_skipped"] = now.get("warm_ups_skipped")
             golden["from_host_bit_identical"] = now["from_host_bit_identical"]
             if args.actions:
@@ -812,7 +808,7 @@ def fp8_section(model, model32, policy_config, served, batches, bucket: int, flo
     fp8_model, _ = bench_model(args.smoke, device)  # the same seeded weights (a deep copy would carry the bf16 fusion)
     converted = convert_to_fp8(fp8_model)
     if device == "cuda":
-        from vlaserve.runtime.fast.graphs import FastRunner
+        from vlaserve.runtime.graphs import FastRunner
 
         engine = FastRunner(fp8_model, policy_config, attention_library=args.attention_library)
     else:
@@ -861,7 +857,7 @@ def profiles(results, served, model, policy_config, inputs, noise, timings, flop
     """CUDA only: vision alone in its own graph, per-kernel profiles at batch 1 and 8 (with and
     without PDL), achieved rates and floors at batch 8."""
     from vlaserve.runtime.fast import kernels
-    from vlaserve.runtime.fast.graphs import FastRunner
+    from vlaserve.runtime.graphs import FastRunner
 
     g = torch.cuda.CUDAGraph()
     flat = inputs.images.flatten(0, 1)

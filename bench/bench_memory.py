@@ -49,6 +49,7 @@ from vlaserve.config import PROFILES, PolicyConfig, RuntimeConfig
 from vlaserve.errors import InsufficientMemory
 from vlaserve.runtime.memory import GIB, check_fit, cuda_budget
 from vlaserve.runtime.runner import Runtime
+from vlaserve.startup.engine import start
 
 
 def release(device: str = "cuda") -> None:
@@ -70,7 +71,9 @@ def make_policy(profile, fast_path: bool = True, device: str = "cuda") -> Runtim
     model = random_model(config.model, torch.bfloat16, device, seed=0)
     settings = RuntimeConfig(device=device, memory_profile=profile.name, fast_path=fast_path)
     settings = replace(settings, prompt_buckets=settings.resolved_prompt_buckets(config.max_token_len, device))
-    return Runtime(model, config, settings, torch.device(device), torch.bfloat16, "bench")
+    runtime = Runtime(model, config, settings, torch.device(device), torch.bfloat16, "bench")
+    start(runtime)
+    return runtime
 
 
 def compare_actions(device: str = "cuda") -> dict:

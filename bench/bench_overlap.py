@@ -10,7 +10,7 @@ observations (3 uint8 224x224 cameras, each robot its own noise):
 - the host time of one `Policy.launch` with the device idle and while a batch of 8 runs (if a copy
   waited for the device it would take the running batch's time), and where it goes (cProfile);
 - N in-process robots (asyncio tasks: prepare on a thread, then submit, back to back) through the
-  Batcher with overlap on and off: observations per second, batch sizes, the device's busy share
+  Batcher: observations per second, batch sizes, the device's busy share
   (sum of device time over wall time), and each answer against its robot's reference taken alone.
 Writes bench_overlap.json. --smoke: the golden checkpoint on the CPU, 1 and 2 robots for a second.
 """
@@ -84,10 +84,10 @@ def launch_profile(policy: Policy, observations: list[dict], calls: int = 50, to
             for (f, line, name), (cc, nc, tt, ct, _) in rows]
 
 
-def fleet(policy: Policy, observations: list[dict], references: list[np.ndarray], robots: int, seconds: float,
-          overlap: bool) -> dict:
+def fleet(policy: Policy, observations: list[dict], references: list[np.ndarray], robots: int,
+          seconds: float) -> dict:
     batches: list[int] = []
-    batcher = Batcher(policy, max_batch_size=8, overlap=overlap, on_batch=batches.append)
+    batcher = Batcher(policy, max_batch_size=8, on_batch=batches.append)
     latencies: list[float] = []
     device: dict[int, float] = {}  # id(result timings) -> device ms per batch, counted once per batch
     worst = 0.0
@@ -113,7 +113,7 @@ def fleet(policy: Policy, observations: list[dict], references: list[np.ndarray]
         wall = asyncio.run(drive())
     finally:
         batcher.close()
-    return {"robots": robots, "overlap": overlap, "obs_per_s": len(latencies) / wall,
+    return {"robots": robots, "obs_per_s": len(latencies) / wall,
             "p50_ms": statistics.median(latencies), "p99_ms": float(np.percentile(latencies, 99)),
             "mean_batch": statistics.fmean(batches), "device_busy_share": sum(device.values()) / 1e3 / wall,
             "max_dev_from_alone": worst}
@@ -148,10 +148,9 @@ def main() -> None:
     references = [policy.infer(obs).actions for obs in observations]
     results["fleet"] = []
     for robots in (int(n) for n in args.robots.split(",")):
-        for overlap in (False, True):
-            level = fleet(policy, observations, references, robots, args.seconds, overlap)
-            log(level)
-            results["fleet"].append(level)
+        level = fleet(policy, observations, references, robots, args.seconds)
+        log(level)
+        results["fleet"].append(level)
     save_json(results, args.out, "bench_overlap")
 
 

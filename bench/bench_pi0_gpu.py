@@ -89,7 +89,7 @@ def main() -> None:
     model32 = copy.deepcopy(model).float()
     config = PolicyConfig(model.config, CAMERA_NAMES, 14, 14, max_token_len=TOKENS)
     if device == "cuda":
-        from vlaserve.runtime.fast.graphs import FastRunner
+        from vlaserve.runtime.graphs import FastRunner
 
         served = {"fast": FastRunner(model, config)}
     else:  # --smoke: the eager runner stands in for the CUDA fast path

@@ -15,10 +15,7 @@ the core, not the core's sleep, and keeping cores awake (busy polling, /dev/cpu_
 remove it. Then the thread hops a request takes (event loop -> worker -> launch thread -> completion
 thread -> event loop), each alone, and the path from the event loop to the launch thread with a
 prepare in between: back through the event loop, or queued by the worker itself (the server's path
-for a lone request). Last, a lone robot's cycle as the event loop lives it (its frame handled, the
-device's batch time asleep, the reply encoded, the robot's own time asleep), without and with keep-warm
-(server/warm.py), in alternating rounds. Every stage: p50 and p99, ms; writes
-bench_prepare.json. --smoke: 5 calls each, one round.
+for a lone request). Every stage: p50 and p99, ms; writes bench_prepare.json. --smoke: 5 calls each.
 """
 
 from __future__ import annotations
@@ -41,11 +38,9 @@ import vlaserve.processing.prepare as prepare_module
 from common import golden_checkpoint, log, parser, robot_observation, save_json
 from vlaserve import Policy
 from vlaserve.server.codec import packb, unpackb
-from vlaserve.batcher import DeviceClock
-from vlaserve.server.openpi import rehearse, request_from_openpi
+from vlaserve.server.openpi import request_from_openpi
 from vlaserve.server.replies import policy_timing
 from vlaserve.server.service import ServerSettings, Service
-from vlaserve.server.warm import KeepWarm
 
 
 def spread(ms: list[float]) -> dict:
@@ -59,14 +54,9 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=10.0,
                     help="sleep (after_idle), or busy work (after_busy), before each call")
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--device-ms", type=float, default=14.3,
-                    help="the lone robot's cycle: the device's batch-1 time (an H200's, run 179)")
-    ap.add_argument("--robot-ms", type=float, default=1.2,
-                    help="the lone robot's cycle: the reply's way to the robot and its next frame's back (run 179)")
-    ap.add_argument("--rounds", type=int, default=4, help="the lone robot's cycle: rounds of each mode")
     args = ap.parse_args()
     if args.smoke:
-        args.calls, args.rounds = min(args.calls, 5), 1
+        args.calls = min(args.calls, 5)
     policy = Policy.from_pretrained(golden_checkpoint(), device="cpu", dtype="float32", progress=False)
     torch.set_num_threads(1)  # host ops as a GPU server runs them (Runtime.limit_host_threads)
     service = Service(policy, ServerSettings())
@@ -134,9 +124,6 @@ def main() -> None:
 
     results["hops_after_idle"] = asyncio.run(hops(policy, raw, args))
     log("hops, after idle", json.dumps(results["hops_after_idle"]))
-    results["lone_robot_cycle"] = asyncio.run(lone_robot_cycle(service, frame, args))
-    for mode, stages in results["lone_robot_cycle"]["modes"].items():
-        log(f"lone robot's cycle, {mode}", json.dumps(stages))
     save_json(results, args.out, "bench_prepare")
 
 
@@ -201,41 +188,6 @@ async def hops(policy: Policy, raw: dict, args) -> dict:
     thread.join()
     pool.shutdown()
     return {k: spread([x * 1e3 for x in v]) for k, v in out.items()}
-
-
-async def lone_robot_cycle(service: Service, frame: bytes, args) -> dict:
-    """A lone robot's cycle as the server's event loop lives it: its frame decoded, checked and prepared
-    (`front`), the device's batch asleep (--device-ms), the reply encoded (`back`), the robot's own time
-    asleep (--robot-ms: its client and the network), and again; without and with keep-warm
-    (server/warm.py: the same code rehearsed on the last frame shortly before the batch ends), in
-    alternating rounds of --calls cycles."""
-    policy, c = service.policy, service.policy.config
-    clock, shape = DeviceClock(), (1, c.num_inference_steps, True)
-    clock.launched(shape, 0.0, 0.0, asynchronous=True)
-    clock.finished(shape, args.device_ms)  # the device time keep-warm predicts the batch's end from
-    stages: dict = {"plain": collections.defaultdict(list), "keep_warm": collections.defaultdict(list)}
-    reply_timings = {"prepare_ms": 0.1, "device_ms": args.device_ms}
-    for round_ in range(2 * args.rounds):
-        mode = ("plain", "keep_warm")[round_ % 2]
-        warm = KeepWarm(enabled=mode == "keep_warm")
-        for _ in range(args.calls):
-            t0 = time.perf_counter()
-            request = request_from_openpi(unpackb(frame, 1024), service)
-            policy.prepare(request)
-            t1 = time.perf_counter()
-            warm.schedule(functools.partial(rehearse, frame, service), clock, shape, t1)
-            await asyncio.sleep(args.device_ms / 1e3)
-            t2 = time.perf_counter()
-            actions = np.zeros((c.action_horizon, c.action_dim), dtype=np.float32)
-            packb({"actions": actions, "server_timing": {"infer_ms": 1.0}, "policy_timing": policy_timing(reply_timings)})
-            t3 = time.perf_counter()
-            stages[mode]["front"].append((t1 - t0) * 1e3)
-            stages[mode]["back"].append((t3 - t2) * 1e3)
-            await asyncio.sleep(args.robot_ms / 1e3)
-        if mode == "keep_warm":
-            assert warm.rehearsals >= args.calls - 1, warm.stats()  # (its last one may still be pending)
-    return {"device_ms": args.device_ms, "robot_ms": args.robot_ms, "rounds": args.rounds,
-            "modes": {mode: {k: spread(v) for k, v in by_stage.items()} for mode, by_stage in stages.items()}}
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main():
     results["lerobot"] = lerobot is not None
     bucket = default_bucket()
     if device == "cuda":
-        from vlaserve.runtime.fast.graphs import FastRunner
+        from vlaserve.runtime.graphs import FastRunner
 
         libraries = ("triton", "fa4") if args.fa4 else ("triton",)
         runners = {lib: FastRunner(model, policy_config, attention_library=lib) for lib in libraries}

@@ -174,7 +174,7 @@ def sample(runner, inputs: ModelInputs, noise: torch.Tensor, steps: int = STEPS,
            vision_slots: int | None = None) -> tuple[torch.Tensor, dict]:
     """One call through a runner (the Runner protocol: EagerRunner or FastRunner), waited for:
     (its actions, a copy the next call leaves alone; {prefix_ms, denoise_ms})."""
-    actions, times = runner.launch(inputs, noise, steps, rtc, prefix, vision_slots)
+    actions, times = runner.dispatch(inputs, noise, steps, rtc, prefix, vision_slots)
     stages = times.read()
     return actions.clone(), stages
 

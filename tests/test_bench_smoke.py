@@ -97,9 +97,6 @@ def check_bench_fleet(out: Path) -> None:
         assert {"prepare_ms", "queue_ms", "run_ms", "handback_ms"} <= set(lv["stages_p99_ms"])
     assert {"prepare_ms", "handback_ms", "device_ms", "server_total"} <= set(r["batch1"]["breakdown_p99_ms"])
     assert r["min_distance_between_robots"] > 0.25  # robots' answers are told apart (WRONG_ANSWER)
-    assert r["keep_warm"]["enabled"] is True  # on by default (its rehearsals depend on this CPU's timing)
-    # On by default, and never taken on a CPU: the eager model computes inside its launch (launches_quickly false).
-    assert r["direct_launch"] == {"enabled": True, "launches": 0}
     # One robot's answers all ran alone; the slowest 1% add up: server stages inside infer_ms, the rest outside
     # (outside_ms is that difference of two means: approx for float rounding only).
     assert list(r["levels"][0]["device_ms_by_batch"]) == ["1"]
@@ -130,17 +127,13 @@ def check_bench_prepare(out: Path) -> None:
             assert 0 < stage["p50_ms"] <= stage["p99_ms"]
     assert {"event_loop_to_worker", "worker_to_event_loop", "queue_to_waiting_thread", "thread_to_event_loop",
             "prepare_to_launch_via_event_loop", "prepare_to_launch_from_worker"} == set(r["hops_after_idle"])
-    cycle = r["lone_robot_cycle"]["modes"]
-    assert set(cycle) == {"plain", "keep_warm"}
-    for stages in cycle.values():
-        assert set(stages) == {"front", "back"} and all(0 < s["p50_ms"] <= s["p99_ms"] for s in stages.values())
 
 
 def check_bench_overlap(out: Path) -> None:
     r = result(out, "bench_overlap", png=False)
     # Enqueued back to back or run alone: the same batches, the same kernels, the same bits.
     assert r["exactness"]["1"]["bitwise_equal"] and r["exactness"]["8"]["bitwise_equal"]
-    assert [(lv["robots"], lv["overlap"]) for lv in r["fleet"]] == [(1, False), (1, True), (2, False), (2, True)]
+    assert [lv["robots"] for lv in r["fleet"]] == [1, 2]
     assert all(lv["obs_per_s"] > 0 for lv in r["fleet"])
 
 

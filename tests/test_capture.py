@@ -1,5 +1,5 @@
-"""Serving from the first captured CUDA graph (runtime/capture.py, FastRunner.capture / launch,
-Runtime's states): the capture plan's order and completeness, how a batch runs while its own graphs
+"""Serving from the first captured CUDA graph (startup/: the plan, its captures and the runtime's gate
+meanwhile; runtime/graph_keys.py `route`; FastRunner.capture / launch): the capture plan's order and completeness, how a batch runs while its own graphs
 are not captured yet, and the states warming_up -> capturing -> ready.
 
 CUDA graphs need a GPU. Here the real FastRunner runs on the CPU with the stock kernels, and a
@@ -19,13 +19,15 @@ import torch
 from fixtures import fixture_dir
 from vlaserve import Policy
 from vlaserve.config import RuntimeConfig, graph_batch_sizes
-from vlaserve.errors import ConfigError, NotServing
-from vlaserve.model.rtc import RTCGuidance
-from vlaserve.runtime.capture import GraphKey, capture_plan, route
-from vlaserve.runtime.fast.graphs import WARMUP_STEPS, FastRunner
-from vlaserve.runtime.fast.graphs import _Graph as CUDAGraphCapture
-from vlaserve.runtime.runner import CAPTURE_SWITCH_INTERVAL_S, Runtime
-from vlaserve.runtime.turns import DeviceTurns
+from vlaserve.errors import NotServing
+from vlaserve.types import RTCGuidance
+from vlaserve.runtime.graph_keys import GraphKey, route
+from vlaserve.startup.plan import capture_plan
+from vlaserve.runtime.graphs import WARMUP_STEPS, FastRunner
+from vlaserve.runtime.graphs import _Graph as CUDAGraphCapture
+from vlaserve.runtime.runner import Runtime
+from vlaserve.startup.engine import CAPTURE_SWITCH_INTERVAL_S, Startup, start
+from vlaserve.startup.turns import DeviceTurns
 from vlaserve.types import ModelInputs
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -87,12 +89,6 @@ def test_route(batch, sizes, parts):
         assert sum(rows for _, rows in parts) == batch and all(rows <= size for size, rows in parts)
 
 
-def test_capture_warmups_is_validated():
-    assert RuntimeConfig().capture_warmups == "on_new_kernel"
-    with pytest.raises(ConfigError, match="capture_warmups"):
-        RuntimeConfig(capture_warmups="twice")
-
-
 # --- FastRunner on the CPU, with graphs that take time to capture -----------------------------
 
 
@@ -126,11 +122,12 @@ class _HostEvent:
 
 class SlowCaptureRunner(FastRunner):
     """The real FastRunner (buffers, routing, capture bookkeeping) on the CPU's stock kernels; each
-    capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little."""
+    capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little. The stock
+    kernels are no Triton kernels, so a capture could not tell a new one (`loaded_kernels_only`): every
+    kernel signature warms up before its first capture, as with a CuTe library."""
 
-    def __init__(self, policy, gate=None, fail_at: str | None = None, warmups="per_kernel", turns=None):
-        super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, warmups=warmups,
-                         turns=turns)
+    def __init__(self, policy, gate=None, fail_at: str | None = None, turns=None):
+        super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, turns=turns)
         self.use_graphs, self.gate, self.fail_at = True, gate, fail_at
         self.warm_up_runs = 0  # every warm-up run, SigLIP's attention's among them
         self.attention_images: list[int] = []  # the image counts SigLIP's attention warmed up at
@@ -144,6 +141,9 @@ class SlowCaptureRunner(FastRunner):
 
     def _new_graph(self, fn):
         return _Graph(fn)
+
+    def _captures_first(self):
+        return False
 
     def _events(self):
         return _HostEvent(), _HostEvent(), _HostEvent()
@@ -199,7 +199,7 @@ def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, 
     steps = config.num_inference_steps
     inputs, noise = _batch(config, 5)
     before = (runner.captures, _Graph.replays, runner.split_calls)
-    out, times = runner.launch(inputs, noise, steps)
+    out, times = runner.dispatch(inputs, noise, steps)
     entries = [runner.prefix_entry(i) for i in range(5)]
     # five batch-1 calls, each a prefix and a denoise replay; nothing captured on the request path
     assert (runner.captures, _Graph.replays - before[1], runner.split_calls - before[2]) == (before[0], 10, 1)
@@ -210,7 +210,7 @@ def test_a_batch_not_captured_yet_runs_as_captured_batch_1_calls(golden_policy, 
     # item i gets exactly what a batch-1 call of item i gives (same batch size: bit for bit), in order
     for i in range(5):
         alone, alone_noise = _item(inputs, noise, i)
-        expected, _ = runner.launch(alone, alone_noise, steps)
+        expected, _ = runner.dispatch(alone, alone_noise, steps)
         assert torch.equal(out[i], expected[0]), i
         # the prefix K/V the cache reads after the split call is item i's, though its buffers were reused
         mine = runner.prefix_entry(0)
@@ -244,7 +244,7 @@ def test_recording_kernels_runs_each_signature_once_before_its_warm_up(golden_po
     for key in batch1:
         runner.capture(key, steps)
     # the warm-ups still run (now without compiling), SigLIP's attention at 3, 2 and 1 images, and the
-    # frames' conversion once (graphs.py `_BytesIn`)
+    # frames' conversion once (runtime/transfer.py `BytesIn`)
     assert runner.warm_up_runs == 6 + len(config.cameras) + 1
     assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
     assert runner.warm_up_runs == 6 + len(config.cameras) + 1
@@ -256,41 +256,38 @@ def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, ba
     for key in capture_plan((1, 4), (config.max_token_len,), len(config.cameras)):
         runner.capture(key, steps)
     inputs, noise = _batch(config, 3, seed=1)
-    out, _ = runner.launch(inputs, noise, steps)
+    out, _ = runner.dispatch(inputs, noise, steps)
     assert runner.padded_calls == 1 and runner.split_calls == 0 and runner.uncaptured_calls == 0
     # the rows of a batch-4 call with the last item repeated (the ladder's padding)
     grown = ModelInputs(*(torch.cat([t, t[-1:]]) for t in (inputs.images, inputs.image_masks, inputs.tokens,
                                                             inputs.token_mask)))
-    expected, _ = runner.launch(grown, torch.cat([noise, noise[-1:]]), steps)
+    expected, _ = runner.dispatch(grown, torch.cat([noise, noise[-1:]]), steps)
     assert torch.equal(out, expected[:3])
 
 
 def test_one_warm_up_per_kernel_signature(golden_policy):
     config = golden_policy.config
     plan = capture_plan((1, 2), (96, config.max_token_len), len(config.cameras))
-    counts, steps_run = {}, []
-    for warmups in ("per_kernel", "per_graph"):
-        runner = SlowCaptureRunner(golden_policy, warmups=warmups)
-        schedule = runner.fast.schedule
-        runner.fast.schedule = lambda n: (steps_run.append((warmups, n)), schedule(n))[1]
-        for key in plan:
-            warm_s, capture_s = runner.capture(key, config.num_inference_steps)
-            assert warm_s >= 0 and capture_s > 0
-        counts[warmups] = runner.warm_up_runs - len(runner.attention_images)
-        assert runner.captures == len(plan) == 20
-        # SigLIP's attention once per image count, before the first capture that meets it (3 cameras;
-        # the plan's order: batch 1's common call, batch 2's, then batch 1's fewer-camera layouts, batch 2's)
-        assert runner.attention_images == [3, 6, 2, 1, 4]
+    steps_run = []
+    runner = SlowCaptureRunner(golden_policy)
+    schedule = runner.fast.schedule
+    runner.fast.schedule = lambda n: (steps_run.append(n), schedule(n))[1]
+    for key in plan:
+        warm_s, capture_s = runner.capture(key, config.num_inference_steps)
+        assert warm_s >= 0 and capture_s > 0
+    assert runner.captures == len(plan) == 20
+    # SigLIP's attention once per image count, before the first capture that meets it (3 cameras;
+    # the plan's order: batch 1's common call, batch 2's, then batch 1's fewer-camera layouts, batch 2's)
+    assert runner.attention_images == [3, 6, 2, 1, 4]
     # per (batch, length): the prefix once, the Euler steps once without and once with RTC; the frames'
     # conversion once
-    assert counts == {"per_kernel": 2 * 2 * 3 + 1, "per_graph": 2 * len(plan) + 1}
-    # a warm-up's Euler loop: WARMUP_STEPS steps (the older way: the call's)
-    assert {n for w, n in steps_run if w == "per_kernel"} == {WARMUP_STEPS, config.num_inference_steps}
-    assert {n for w, n in steps_run if w == "per_graph"} == {config.num_inference_steps}
+    assert runner.warm_up_runs - len(runner.attention_images) == 2 * 2 * 3 + 1
+    # a warm-up's Euler loop: WARMUP_STEPS steps; the captured call's: the call's
+    assert set(steps_run) == {WARMUP_STEPS, config.num_inference_steps}
 
 
 def test_warm_ups_take_the_device_in_turn_and_recordings_hold_no_lock(golden_policy):
-    """A warm-up runs kernels: it waits for its turn (runtime/turns.py) and holds the device lock, so no batch
+    """A warm-up runs kernels: it waits for its turn (startup/turns.py) and holds the device lock, so no batch
     launches while a kernel compiles or loads. A recording runs nothing and is made in thread-local capture mode:
     it holds no lock, and batches launch meanwhile. Its graph is stored, where `launch` finds it, once recorded."""
     config, seen = golden_policy.config, []
@@ -308,8 +305,8 @@ def test_warm_ups_take_the_device_in_turn_and_recordings_hold_no_lock(golden_pol
             super()._warm_up(fn, runs)
 
         def _new_graph(self, fn):
-            # (a batch size's first prefix graph is followed by its frames' conversion's, graphs.py `_BytesIn`)
-            kind = "conversion recorded" if fn.__qualname__.startswith("_BytesIn.") else "recorded"
+            # (a batch size's first prefix graph is followed by its frames' conversion's, runtime/transfer.py `BytesIn`)
+            kind = "conversion recorded" if fn.__qualname__.startswith("BytesIn.") else "recorded"
             seen.append((kind, turns.lock._is_owned(), len(self._prefix_graphs) + len(self._denoise_graphs)))
             return super()._new_graph(fn)
 
@@ -371,15 +368,15 @@ def test_on_a_gpu_another_thread_launches_queries_and_waits_while_a_graph_record
 
 
 def _serve(policy, background: bool = True, sizes=(1, 2), weights_pending: bool = False, **runner_options):
-    """A fresh Runtime serving a SlowCaptureRunner while it captures the plan of `sizes`."""
+    """A fresh Runtime serving a SlowCaptureRunner while its start-up captures the plan of `sizes`."""
     config = policy.config
     runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
                       torch.float32, "test")
-    runner = SlowCaptureRunner(policy, turns=runtime.turns, **runner_options)  # as Runtime builds it
+    startup = Startup(runtime)
+    runner = SlowCaptureRunner(policy, turns=startup.turns, **runner_options)  # as startup.engine.start builds it
     plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
-    runtime.serve_while_capturing(runner, plan, config.num_inference_steps, background=background,
-                                  weights_pending=weights_pending)
-    return runtime, runner, plan
+    startup.begin(runner, plan, config.num_inference_steps, background=background, weights_pending=weights_pending)
+    return runtime, runner, plan, startup
 
 
 def _join_capture_thread(timeout: float = 60) -> None:
@@ -392,7 +389,7 @@ def _join_capture_thread(timeout: float = 60) -> None:
 
 def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     config, gate = golden_policy.config, threading.Semaphore(0)
-    runtime, runner, plan = _serve(golden_policy, gate=gate)
+    runtime, runner, plan, startup = _serve(golden_policy, gate=gate)
     assert runtime.state == "warming_up" and not runtime.serving.is_set() and runtime.runner is runner
     graphs = runtime.stats()["graphs"]
     assert (graphs["captured"], graphs["total"], graphs["pending"], graphs["serving_after_s"]) == (0, 10, 10, None)
@@ -400,7 +397,7 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
 
     inputs, noise = _batch(config, 2, seed=2)
     result = {}
-    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, None).wait()))
+    request = threading.Thread(target=lambda: result.update(out=runtime.enqueue(inputs, noise, 10, None).wait()))
     request.start()
     request.join(0.2)
     assert request.is_alive() and not result  # waiting: nothing runs before batch 1's graphs exist
@@ -421,7 +418,7 @@ def test_states_and_a_request_that_waits_for_batch_1(golden_policy):
     assert stats["state"] == "ready" and stats["graph_captures"] == 10 and stats["graphs"]["pending_shapes"] == []
     assert stats["graphs"]["all_captured_after_s"] >= stats["graphs"]["serving_after_s"]
     assert [g["shape"] for g in stats["graphs"]["per_graph"]] == [str(k) for k in plan]
-    runtime.launch(inputs, noise, 10, None).wait()  # now batch 2's own graphs
+    runtime.enqueue(inputs, noise, 10, None).wait()  # now batch 2's own graphs
     assert runner.split_calls == 1 and runner.request_path_captures == 0
 
 
@@ -429,7 +426,7 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
     """Serving starts with batch 1's first graphs; a call with RTC (or another camera layout) then
     moves its graphs ahead of the plan's order and waits for them instead of running uncaptured."""
     config, gate = golden_policy.config, threading.Semaphore(0)
-    runtime, runner, plan = _serve(golden_policy, gate=gate)
+    runtime, runner, plan, startup = _serve(golden_policy, gate=gate)
     for _ in range(2):
         gate.release()
     runtime.serving.wait(5)
@@ -439,11 +436,11 @@ def test_a_call_of_a_shape_not_captured_yet_asks_for_it_next_and_waits(golden_po
                       torch.tensor([2.0]))
     inputs, noise = _batch(config, 1, seed=3)
     result = {}
-    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, rtc).wait()))
+    request = threading.Thread(target=lambda: result.update(out=runtime.enqueue(inputs, noise, 10, rtc).wait()))
     request.start()
     rtc_key = GraphKey(1, config.max_token_len, rtc=True)
     deadline = time.monotonic() + 5
-    while rtc_key not in runtime._graphs._wanted and time.monotonic() < deadline:
+    while rtc_key not in startup.graphs._wanted and time.monotonic() < deadline:
         time.sleep(0.005)
     assert request.is_alive() and not result  # waiting for its graph
     # Two captures: the one the capture thread may have begun already, and the RTC graph, though
@@ -475,26 +472,26 @@ def _wait_for(condition, timeout: float = 5.0) -> bool:
 
 
 def test_graphs_captured_while_the_weights_load_serve_once_they_are_loaded(golden_policy):
-    """Runtime(weights_pending=True), as Policy.from_pretrained starts it with capture_while_loading: the plan is
+    """start(weights_pending=True), as Policy.from_pretrained starts it with capture_while_loading: the plan is
     captured while the weights load; a request waits until `weights_loaded()`, which first computes again what
     the runner derived from the weights, and serving starts then, batch 1's graphs being captured already."""
     config, gate = golden_policy.config, threading.Semaphore(0)
-    runtime, runner, plan = _serve(golden_policy, gate=gate, weights_pending=True)
+    runtime, runner, plan, startup = _serve(golden_policy, gate=gate, weights_pending=True)
     refreshes = _counting_refreshes(runner)
     for _ in range(2):  # batch 1's common call: what serving waits for
         gate.release()
     assert _wait_for(lambda: runtime.stats()["graphs"]["captured"] == 2)
     inputs, noise = _batch(config, 1, seed=4)
     result = {}
-    request = threading.Thread(target=lambda: result.update(out=runtime.launch(inputs, noise, 10, None).wait()))
+    request = threading.Thread(target=lambda: result.update(out=runtime.enqueue(inputs, noise, 10, None).wait()))
     request.start()
     request.join(0.3)
     assert request.is_alive() and not runtime.serving.is_set() and runtime.state == "warming_up"
     assert runtime.stats()["graphs"]["serving_after_s"] is None
-    runtime.weights_loaded()
+    startup.weights_loaded()
     assert len(refreshes) == 1 and runtime.serving.is_set() and runtime.state == "capturing"
     request.join(5)
-    expected, _ = runner.launch(inputs, noise, 10)
+    expected, _ = runner.dispatch(inputs, noise, 10)
     assert torch.equal(torch.from_numpy(result["out"][0]), expected.float())
     for _ in plan:
         gate.release()
@@ -504,12 +501,12 @@ def test_graphs_captured_while_the_weights_load_serve_once_they_are_loaded(golde
 
 def test_a_plan_captured_before_the_weights_arrive_ends_with_them(golden_policy):
     """Every graph captured and the weights still loading: not serving, not "ready", until they are loaded."""
-    runtime, runner, plan = _serve(golden_policy, weights_pending=True)
+    runtime, runner, plan, startup = _serve(golden_policy, weights_pending=True)
     assert _wait_for(lambda: runtime.stats()["graphs"]["pending"] == 0)
     thread = [t for t in threading.enumerate() if t.name == "vlaserve-capture"][-1]
     thread.join(0.2)
     assert thread.is_alive() and runtime.state == "warming_up" and not runtime.serving.is_set()
-    runtime.weights_loaded()
+    startup.weights_loaded()
     _join_capture_thread()
     assert runtime.state == "ready" and runtime.serving.is_set() and runtime.stats()["graph_captures"] == len(plan)
 
@@ -517,26 +514,29 @@ def test_a_plan_captured_before_the_weights_arrive_ends_with_them(golden_policy)
 def test_weights_pending_needs_the_background_warm_up_and_the_fast_path(golden_policy):
     runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
                       torch.device("cpu"), torch.float32, "test")
-    runner = SlowCaptureRunner(golden_policy, turns=runtime.turns)
+    startup = Startup(runtime)
+    runner = SlowCaptureRunner(golden_policy, turns=startup.turns)
     plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
     with pytest.raises(ValueError, match="background"):
-        runtime.serve_while_capturing(runner, plan, 10, background=False, weights_pending=True)
+        startup.begin(runner, plan, 10, background=False, weights_pending=True)
     with pytest.raises(ValueError, match="fast path"):  # a CPU device has no CUDA fast path
-        Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
-                torch.device("cpu"), torch.float32, "test", weights_pending=True)
+        start(runtime, weights_pending=True)
+    assert start(runtime) is None and runtime.state == "ready"  # the eager model: nothing to start
 
 
 def test_a_dropped_runtime_is_freed_at_once(golden_policy):
-    """No reference cycle keeps a Runtime (and its graphs) alive once dropped: a cycle left it to the
-    garbage collector, which could free it during another Runtime's capture, and on the H200 that
-    capture then failed (the old graphs' memory returned with cudaFree: capture invalidated)."""
+    """No reference cycle keeps a Runtime (and its graphs) alive once dropped, nor its start-up once done: a
+    cycle left it to the garbage collector, which could free it during another Runtime's capture, and on a GPU
+    that capture then failed (the old graphs' memory returned with cudaFree: capture invalidated)."""
     import gc
     import weakref
 
-    runtime, runner, _ = _serve(golden_policy, background=False)
-    alive = weakref.ref(runtime)
+    runtime, runner, _, startup = _serve(golden_policy, background=False)
+    alive, startup_alive = weakref.ref(runtime), weakref.ref(startup)
     gc.disable()
     try:
+        del startup
+        assert startup_alive() is None  # done: the runtime holds nothing of it
         del runtime
         assert alive() is None  # freed by reference counting alone, not waiting for a collection
     finally:
@@ -544,7 +544,7 @@ def test_a_dropped_runtime_is_freed_at_once(golden_policy):
 
 
 def test_blocking_returns_with_every_graph_captured(golden_policy):
-    runtime, runner, plan = _serve(golden_policy, background=False)
+    runtime, runner, plan, startup = _serve(golden_policy, background=False)
     assert runtime.state == "ready" and runtime.serving.is_set() and runner.captures == len(plan)
 
 
@@ -564,41 +564,42 @@ def test_the_interpreter_switches_threads_often_while_graphs_are_captured_and_as
     for fail_at in (None, "b1 L200 denoise"):
         runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
                           torch.device("cpu"), torch.float32, "test")
-        runner = Watched(golden_policy, turns=runtime.turns, fail_at=fail_at)
+        startup = Startup(runtime)
+        runner = Watched(golden_policy, turns=startup.turns, fail_at=fail_at)
         plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
-        runtime.serve_while_capturing(runner, plan, golden_policy.config.num_inference_steps, background=True)
+        startup.begin(runner, plan, golden_policy.config.num_inference_steps, background=True)
         _join_capture_thread()
         assert seen and set(seen) == {CAPTURE_SWITCH_INTERVAL_S} and sys.getswitchinterval() == before
         seen.clear()
 
 
 def test_a_failure_before_batch_1_fails_requests_and_says_why(golden_policy):
-    runtime, _, _ = _serve(golden_policy, fail_at="b1 L200 denoise")
+    runtime, _, _, _ = _serve(golden_policy, fail_at="b1 L200 denoise")
     _join_capture_thread()
     assert runtime.state == "failed" and "injected capture failure" in runtime.stats()["graphs"]["error"]
     inputs, noise = _batch(golden_policy.config, 1)
     with pytest.raises(NotServing, match="failed to warm up"):
-        runtime.launch(inputs, noise, 10, None)
+        runtime.enqueue(inputs, noise, 10, None)
     with pytest.raises(RuntimeError, match="injected"):  # blocking: the error reaches the caller
         _serve(golden_policy, background=False, fail_at="b1 L200 denoise")
 
 
 def test_a_failure_after_batch_1_keeps_serving_on_the_captured_graphs(golden_policy):
-    runtime, runner, _ = _serve(golden_policy, fail_at="b2 L200 cams3")
+    runtime, runner, _, _ = _serve(golden_policy, fail_at="b2 L200 cams3")
     _join_capture_thread()
     assert runtime.state == "failed" and runtime.serving.is_set()
     inputs, noise = _batch(golden_policy.config, 2)
-    assert runtime.launch(inputs, noise, 10, None).wait()[0].shape[0] == 2
+    assert runtime.enqueue(inputs, noise, 10, None).wait()[0].shape[0] == 2
     assert runner.split_calls == 1 and runner.uncaptured_calls == 0
 
 
 def test_waiting_is_bounded(golden_policy):
     gate = threading.Semaphore(0)
-    runtime, _, plan = _serve(golden_policy, sizes=(1,), gate=gate)
-    runtime.SERVING_WAIT_S = 0.05
+    runtime, _, plan, startup = _serve(golden_policy, sizes=(1,), gate=gate)
+    startup.SERVING_WAIT_S = 0.05
     inputs, noise = _batch(golden_policy.config, 1)
     with pytest.raises(NotServing, match="still being captured"):
-        runtime.launch(inputs, noise, 10, None)
+        runtime.enqueue(inputs, noise, 10, None)
     for _ in plan:
         gate.release()
     _join_capture_thread()
@@ -631,7 +632,7 @@ def test_a_call_launched_behind_a_running_one_reports_the_device_gap_between_the
     """EventTimes: prefix and denoise from its own events; the gap from the call before's end to
     this one's start only when the runner passed that end (it was still running at launch). A batch
     run as parts reports its first part's gap (the later parts follow their own batch's)."""
-    from vlaserve.runtime.fast.graphs import EventTimes, PartTimes
+    from vlaserve.runtime.graphs import EventTimes, PartTimes
 
     alone = EventTimes(StampedEvent(10.0), StampedEvent(17.0), StampedEvent(24.0))
     assert alone.read() == {"prefix_ms": 7.0, "denoise_ms": 7.0}
@@ -679,9 +680,9 @@ def test_a_fast_model_built_before_its_weights_load_computes_what_one_built_afte
         assert not torch.equal(q, torch.full_like(q, 0.25))
         if refresh:
             runner.refresh_weights()
-        return runner.launch(inputs, noise, steps)[0]
+        return runner.dispatch(inputs, noise, steps)[0]
 
-    expected = _HostTimedRunner(reference.model, config, use_graphs=False, use_triton=False).launch(
+    expected = _HostTimedRunner(reference.model, config, use_graphs=False, use_triton=False).dispatch(
         inputs, noise, steps)[0]
     assert torch.equal(built_before_the_load(refresh=True), expected)
     assert not torch.equal(built_before_the_load(refresh=False), expected)
@@ -690,14 +691,14 @@ def test_a_fast_model_built_before_its_weights_load_computes_what_one_built_afte
 
 def test_a_load_that_fails_stops_the_captures_and_serves_nothing(golden_policy):
     config, gate = golden_policy.config, threading.Semaphore(0)
-    runtime, runner, plan = _serve(golden_policy, gate=gate, weights_pending=True)
+    runtime, runner, plan, startup = _serve(golden_policy, gate=gate, weights_pending=True)
     gate.release()
     assert _wait_for(lambda: runtime.stats()["graphs"]["captured"] == 1)
-    runtime.weights_failed(OSError("disk gone"))
+    startup.weights_failed(OSError("disk gone"))
     for _ in plan:
         gate.release()
     _join_capture_thread()
     assert runtime.state == "failed" and not runtime.serving.is_set() and runner.captures < len(plan)
     inputs, noise = _batch(config, 1)
     with pytest.raises(NotServing, match="the weights did not load: OSError: disk gone"):
-        runtime.launch(inputs, noise, 10, None)
+        runtime.enqueue(inputs, noise, 10, None)

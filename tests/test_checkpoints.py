@@ -63,7 +63,7 @@ def test_variant_cases_through_the_python_api_with_lerobot_keys(variant_policies
 def test_relative_actions_mask_and_offset_are_the_references(case_dir):
     case = GoldenCase.load(case_dir)
     t, rel = case.tensors, case.meta["relative_actions"]
-    pipeline = ProcessorPipeline.load(VARIANTS / "relative" / "checkpoint")
+    pipeline = ProcessorPipeline.load(VARIANTS / "relative" / "checkpoint", relative_config())
     assert pipeline.relative_actions.mask.tolist() == rel["mask"] == t["expected.relative_mask"].tolist()
     # One float32 addition per value: bit for bit (README §7), raw unclipped state, same for every step.
     absolute = pipeline.to_absolute(t["expected.actions_relative"], t["input.state"])
@@ -93,6 +93,10 @@ def test_empty_camera_saved_in_input_features_is_counted_once():
 
 
 # ---- strict processor steps ---------------------------------------------------------------------
+def relative_config():
+    return load_policy_config(VARIANTS / "relative" / "checkpoint")
+
+
 def edited_checkpoint(tmp_path, edit_pre=None, edit_post=None):
     """A copy of the relative checkpoint with its processor JSONs edited."""
     target = tmp_path / "ckpt"
@@ -135,14 +139,14 @@ REFUSED = {
 def test_unimplemented_steps_and_settings_are_refused_by_name(tmp_path, name):
     edit_pre, edit_post, named = REFUSED[name]
     with pytest.raises(CheckpointError, match=named):
-        ProcessorPipeline.load(edited_checkpoint(tmp_path, edit_pre, edit_post))
+        ProcessorPipeline.load(edited_checkpoint(tmp_path, edit_pre, edit_post), relative_config())
 
 
 def test_a_pipeline_without_relative_steps_loads_with_relative_actions_off(tmp_path):
     def drop(name):
         return lambda steps: steps.remove(_step(steps, name))
     path = edited_checkpoint(tmp_path, drop("relative_actions_processor"), drop("absolute_actions_processor"))
-    assert ProcessorPipeline.load(path).relative_actions is None
+    assert ProcessorPipeline.load(path, relative_config()).relative_actions is None
 
 
 # ---- normalization modes, against the reference's torch formulas ---------------------------------
@@ -185,7 +189,7 @@ def test_openpi_converted_checkpoint_gets_its_quantiles_and_nothing_else(tmp_pat
                             "actions": {"q01": [-1.0], "q99": [1.0]}}}
     (tmp_path / "assets" / "robot").mkdir(parents=True)
     (tmp_path / "assets" / "robot" / "norm_stats.json").write_text(json.dumps(stats))
-    pipeline = ProcessorPipeline.load(tmp_path)
+    pipeline = ProcessorPipeline.load(tmp_path, relative_config())  # (an OpenPI directory: no config.json of its own)
     assert pipeline.rename_map == {} and pipeline.relative_actions is None and pipeline.tokenizer_name is None
     assert pipeline.normalization.source == "openpi" and pipeline.state_normalizer.always_add_eps
 

@@ -49,21 +49,33 @@ def test_new_server_options_from_command_line_and_config(tmp_path):
         options(["--served-model-name", " "])
 
 
+def _flags(command: str) -> list[str]:
+    """Every option string a subcommand's parser takes (-h and --help counted apart)."""
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    return [flag for action in commands.choices[command]._actions for flag in action.option_strings]
+
+
+def test_serve_takes_at_most_30_flags_and_the_fp8_gate_from_the_config_file(tmp_path):
+    """`vlaserve serve --help` lists at most 30 flags (--help among them): options that exist only to
+    compare two ways are gone, and the fp8 gate's inputs and capture_while_loading are config-file keys."""
+    flags = [f for f in _flags("serve") if f != "-h"]
+    assert len(flags) <= 30, flags
+    for key in ("precision_gate", "precision_scales", "precision_observations", "gripper_dims", "action_groups",
+                "capture_while_loading"):
+        assert f"--{key.replace('_', '-')}" not in flags and f"--no-{key.replace('_', '-')}" not in flags
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--gripper-dims", "6"])
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"precision_gate": "warn", "gripper_dims": "6,13", "capture_while_loading": False}))
+    runtime = options(["--config", str(config)])["runtime"]
+    assert (runtime.precision_gate, runtime.gripper_dims, runtime.capture_while_loading) == ("warn", (6, 13), False)
+
+
 def listening_socket() -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("127.0.0.1", 0))
     s.listen()
     return s
-
-
-def test_keep_warm_is_on_unless_turned_off_on_the_command_line_or_in_the_config(tmp_path):
-    assert options([])["keep_warm"] is True
-    assert options(["--no-keep-warm"])["keep_warm"] is False
-    config = tmp_path / "serve.json"
-    config.write_text(json.dumps({"keep_warm": False}))
-    assert options(["--config", str(config)])["keep_warm"] is False
-    with pytest.raises(SystemExit):  # a switch that is on already has no --keep-warm
-        build_parser().parse_args(["serve", "--keep-warm"])
 
 
 def test_taken_port_exits_2_before_loading(tmp_path):

@@ -16,7 +16,7 @@ from vlaserve.errors import ConfigError, InvalidInput
 from vlaserve.model.gemma import AdaRMSNorm, RMSNorm
 from vlaserve.processing.images import prepare_image, resized_shape
 from vlaserve.processing.normalize import QuantileNormalizer, load_openpi_normalization
-from vlaserve.processing.prepare import to_device
+from vlaserve.runtime.transfer import to_device
 from vlaserve.processing.prompt import discretize_state
 
 
@@ -381,8 +381,8 @@ def test_per_request_prefix_cache_and_graph_flags_reach_the_runtime(golden):
                                     prefix_cache=4)
     cache, runner = policy.runtime.prefix_cache, policy.runtime.runner
     seen = []
-    launch = runner.launch
-    runner.launch = lambda *args, **kwargs: seen.append(kwargs["graphs"]) or launch(*args, **kwargs)
+    dispatch = runner.dispatch
+    runner.dispatch = lambda *args, **kwargs: seen.append(kwargs["graphs"]) or dispatch(*args, **kwargs)
     obs = [observation(30 + i, size=(32, 32)) for i in range(2)]
 
     def run(graphs: bool):

@@ -1,5 +1,5 @@
 """Camera frames of another size than the model's are resized where the batch runs (on a GPU server,
-the GPU: prepare keeps them raw and processing.prepare.to_device finishes them). The same torch operations run
+the GPU: prepare keeps them raw and runtime.transfer.to_device finishes them). The same torch operations run
 either way, so on one device the answers must be bit-identical to resizing during prepare."""
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from conftest import golden_dir
 from vlaserve.golden import GoldenCase, beyond_tolerance, case_dirs, compare_case
 from vlaserve.processing.images import bytes_to_model_range, finish_frame, prepare_image
-from vlaserve.processing.prepare import into_buffers
+from vlaserve.runtime.transfer import into_buffers
 from vlaserve.runtime.fast.buffers import BufferSpec
 
 CASES = case_dirs(golden_dir())
@@ -106,7 +106,7 @@ def test_prefix_cache_tells_deferred_frames_apart():
 @pytest.mark.slow  # every golden case again; test_deferred_resize_gives_the_same_actions is the quick one
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
 def test_golden_cases_with_deferred_resize(deferring, case_dir):
-    """The golden resize cases (float frames of 180x320 and 480x640) resized in processing.prepare.to_device."""
+    """The golden resize cases (float frames of 180x320 and 480x640) resized in runtime.transfer.to_device."""
     case = GoldenCase.load(case_dir)
     exact, deltas = compare_case(deferring, case)
     assert all(exact.values()), {k: v for k, v in exact.items() if not v}
@@ -137,7 +137,7 @@ def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_dev
     on the host) and `to_device` (here the CPU) gives exactly the contiguous float images the host
     computed before: bytes_to_model_range of the frames stacked channels-first, blank slots at -1."""
     from vlaserve.processing.images import bytes_to_model_range
-    from vlaserve.processing.prepare import to_device
+    from vlaserve.runtime.transfer import to_device
 
     rng = np.random.default_rng(7)
     frames = {cam: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for cam in
@@ -188,7 +188,7 @@ def test_frames_stay_bytes_on_the_host_and_become_the_old_host_result_on_the_dev
 def test_on_a_gpu_the_buffers_get_the_hosts_model_inputs(golden_policy):
     """A robot's batch of raw frames (one to resize, one absent camera) written into CUDA buffers, as the fast
     path does, holds exactly what the host computes for it."""
-    from vlaserve.processing.prepare import to_device
+    from vlaserve.runtime.transfer import to_device
 
     rng = np.random.default_rng(11)
     frames = {"base_0_rgb": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
@@ -213,13 +213,14 @@ def test_on_a_gpu_the_buffers_get_the_hosts_model_inputs(golden_policy):
     not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU host)"))])
 @pytest.mark.parametrize("layout", ["hwc", "chw"])
 def test_the_captured_conversion_writes_what_the_launched_one_does(golden_policy, device, layout):
-    """The fast path's way in for bytes (`_BytesIn`: the frames copied into a channels-last byte buffer, their
+    """The fast path's way in for bytes (`BytesIn`: the frames copied into a channels-last byte buffer, their
     conversion replayed from a CUDA graph; on the CPU the same function called): the buffers hold exactly what
     `into_buffers` writes without it, for batches of 1 and 2 with a frame resized where the batch runs and an
     absent camera, and a second batch through the same graph replaces the first's values (stale ones before)."""
     from types import SimpleNamespace
 
-    from vlaserve.runtime.fast.graphs import _BytesIn, _Graph
+    from vlaserve.runtime.graphs import _Graph
+    from vlaserve.runtime.transfer import BytesIn
 
     pre, state = golden_policy.preprocessor, np.zeros(golden_policy.config.state_dim, dtype=np.float32)
 
@@ -240,11 +241,11 @@ def test_the_captured_conversion_writes_what_the_launched_one_does(golden_policy
         buffers, expected = spec.allocate(device), spec.allocate(device)
         buffers["images"].fill_(7)
         if device == "cuda":  # torch's kernels loaded before the capture, as FastRunner's warm-up does
-            _BytesIn.conversion(buffers)()
+            BytesIn.conversion(buffers)()
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-            bytes_in = _BytesIn(buffers, lambda fn: _Graph(fn, pool, stream))
+            bytes_in = BytesIn(buffers, lambda fn: _Graph(fn, pool, stream))
         else:
-            bytes_in = _BytesIn(buffers, lambda fn: SimpleNamespace(replay=fn))
+            bytes_in = BytesIn(buffers, lambda fn: SimpleNamespace(replay=fn))
         for seed in (5, 6):
             inputs = batch(seed, size)
             assert inputs.images.dtype == torch.uint8 and inputs.pending

@@ -151,11 +151,11 @@ class _HostEvent:
 
 @pytest.mark.parametrize("case_dir", CASES, ids=[c.name for c in CASES])
 def test_fast_runner_takes_a_host_batch_into_its_static_buffers(fast_policy, case_dir, monkeypatch):
-    """FastRunner.launch as the runtime calls it (host inputs, RTC from the host), without graphs on the CPU:
+    """FastRunner.dispatch as the runtime calls it (host inputs, RTC from the host), without graphs on the CPU:
     the frames' bytes, masks, token ids and noise go into the batch size's static buffers (twice: the second
     call's values replace the first's, a bucket's views included) and RTC through StaticRTC's host mirror;
     the reference's actions, as the math test above (1e-5)."""
-    from vlaserve.runtime.fast.graphs import FastRunner
+    from vlaserve.runtime.graphs import FastRunner
 
     policy, _ = fast_policy
     case = GoldenCase.load(case_dir)
@@ -171,9 +171,9 @@ def test_fast_runner_takes_a_host_batch_into_its_static_buffers(fast_policy, cas
                            inputs.token_mask[:, :bucket].contiguous(), inputs.state, inputs.pending)
     other = torch.randn(noise.shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        runner.launch(inputs, other, case.meta["num_steps"], guidance)  # stale values in every block
+        runner.dispatch(inputs, other, case.meta["num_steps"], guidance)  # stale values in every block
         for batch in (inputs, shorter):
-            actions, _ = runner.launch(batch, noise, case.meta["num_steps"], guidance)
+            actions, _ = runner.dispatch(batch, noise, case.meta["num_steps"], guidance)
             # The fast path's float32 function against the reference's, other summation orders: the 1e-5 of
             # test_fast_path_math_matches_the_reference (stale inputs left anywhere would move it by far more).
             assert (actions - expected).abs().max() < 1e-5
@@ -182,12 +182,12 @@ def test_fast_runner_takes_a_host_batch_into_its_static_buffers(fast_policy, cas
 @pytest.mark.parametrize("layout", ["hwc", "chw", "resize"])
 def test_fast_runner_takes_camera_bytes_from_the_host(fast_policy, layout, monkeypatch):
     """Raw camera bytes, as robots send them (channels-last, or channels-first; one frame to resize where the
-    batch runs), at a prompt bucket: FastRunner.launch from the host gives exactly the actions of the same
+    batch runs), at a prompt bucket: FastRunner.dispatch from the host gives exactly the actions of the same
     kernels on `to_device`'s inputs (the eager runner's way up: the same conversion of the same bytes)."""
     import numpy as np
 
-    from vlaserve.processing.prepare import to_device
-    from vlaserve.runtime.fast.graphs import FastRunner
+    from vlaserve.runtime.transfer import to_device
+    from vlaserve.runtime.graphs import FastRunner
 
     policy, fast = fast_policy
     rng = np.random.default_rng(2)
@@ -216,7 +216,7 @@ def test_fast_runner_takes_camera_bytes_from_the_host(fast_policy, layout, monke
     k = torch.zeros(runner.buffers(b, bucket)["k_cache"].shape)
     v = torch.zeros_like(k)
     with torch.no_grad():
-        actions, _ = runner.launch(inputs, noise, 10)
+        actions, _ = runner.dispatch(inputs, noise, 10)
         pad = fast.prefix(moved.images, moved.image_masks, moved.tokens, moved.token_mask, k, v, inputs.vision_slots())
         expected = fast.denoise(pad, noise, fast.schedule(10), k, v)
     assert torch.equal(actions, expected)

@@ -31,6 +31,7 @@ from vlaserve.runtime.fast import cute, flash, fp8_kernels, kernels, targets
 from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
 from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
 from vlaserve.runtime.runner import EagerRunner, Runtime
+from vlaserve.startup.engine import start
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -372,7 +373,7 @@ def test_startup_names_the_gpu_and_the_path(monkeypatch, caplog, tuning):
         target = targets.choose_target(torch.device("cuda"))
     assert target is targets.TARGETS[89]
     assert caplog.messages == ["GPU NVIDIA GeForce RTX 4090 (sm_89): fast path, sm89 launch table, no TMA, no PDL"]
-    use_launch_table(target)  # what Runtime does next, as it starts the fast path
+    use_launch_table(target)  # what start-up does next, as it starts the fast path
     assert kernels.TUNING["splitk"]["stages"] == 3 and kernels.TUNING["pdl"] is False and kernels.TUNING["tma"] is False
     assert not kernels.pdl_enabled() and not kernels.tma_enabled()
 
@@ -389,12 +390,13 @@ def test_below_sm80_the_eager_model_serves_and_libraries_are_refused(monkeypatch
     config = load_policy_config(golden / "checkpoint")
     with caplog.at_level(logging.WARNING, logger="vlaserve.runtime.fast.targets"):
         runtime = Runtime(None, config, RuntimeConfig(device="cuda"), torch.device("cuda"), torch.bfloat16, "r")
+        assert start(runtime) is None  # nothing to start: the eager model serves
     assert not runtime.fast_path and isinstance(runtime.runner, EagerRunner)
     assert caplog.messages == ["GPU Tesla T4 (sm_75): eager model; the fast path needs sm80 or newer "
                                "(bf16 tensor cores)"]
     with pytest.raises(ConfigError, match="gemm_library 'quack' runs on the CUDA fast path only"):
-        Runtime(None, config, RuntimeConfig(device="cuda", gemm_library="quack"), torch.device("cuda"),
-                torch.bfloat16, "r")
+        start(Runtime(None, config, RuntimeConfig(device="cuda", gemm_library="quack"), torch.device("cuda"),
+                      torch.bfloat16, "r"))
 
 
 @pytest.mark.parametrize("gpu, capability", [("NVIDIA GeForce RTX 4090", (8, 9)), ("NVIDIA GeForce RTX 5090", (12, 0)),
@@ -467,7 +469,7 @@ def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
     device lock. One step would not do: Pi0.5's fused action step between two steps is missed."""
     from vlaserve.model.pi0 import Pi0Model
     from vlaserve.model.pi05 import Pi05Model
-    from vlaserve.runtime.fast.graphs import WARMUP_STEPS
+    from vlaserve.runtime.graphs import WARMUP_STEPS
 
     config = ModelConfig.full_size()
     use_launch_table(targets.TARGETS[90])

@@ -6,8 +6,8 @@ import torch
 
 from vlaserve.config import RuntimeConfig, graph_batch_sizes
 from vlaserve.errors import ConfigError
-from vlaserve.model.rtc import RTCGuidance
-from vlaserve.runtime.fast.graphs import _padded
+from vlaserve.types import RTCGuidance
+from vlaserve.runtime.graphs import _padded
 from vlaserve.runtime.prefix_cache import PrefixEntry
 from vlaserve.types import ModelInputs
 

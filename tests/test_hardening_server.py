@@ -72,7 +72,7 @@ def assert_serving(http) -> None:
 
 
 # ---- row 1: one bad request in a batch --------------------------------------------------------------
-def test_row1_a_bad_rtc_request_does_not_fail_the_good_ones_batched_with_it(http, golden_policy):
+def test_a_bad_rtc_request_does_not_fail_the_good_ones_batched_with_it(http, golden_policy):
     previous = np.zeros((5, 32), np.float32)
     bodies = [small_body(1), small_body(2, rtc={"prev_chunk": previous, "max_guidance_weight": 1e308}), small_body(3)]
     results = [None] * 3
@@ -90,7 +90,7 @@ def test_row1_a_bad_rtc_request_does_not_fail_the_good_ones_batched_with_it(http
 
 # ---- row 2: images that resize to a side of 0 ----------------------------------------------------------
 @pytest.mark.parametrize("shape", [(500, 1, 3), (1, 500, 3), (3, 2, 1000)])
-def test_row2_extreme_aspect_images_on_every_route(server, http, shape):
+def test_extreme_aspect_images_on_every_route(server, http, shape):
     image = np.zeros(shape, np.uint8)
     body = small_body()
     body["input"]["observation"]["images"] = {"base_0_rgb": image}
@@ -123,13 +123,13 @@ def test_row2_extreme_aspect_images_on_every_route(server, http, shape):
     (b'{"input": {"task": "a", "task": "b"}}', "application/json", "invalid_json"),
     (b"\x82\xa5input\x80\xa5input\x80", MSGPACK, "invalid_msgpack"),  # {"input": {}, "input": {}}
 ])
-def test_rows_3_4_11_deep_surrogate_and_duplicate_bodies_are_400(http, payload, content_type, kind):
+def test_deep_surrogate_and_duplicate_bodies_are_400(http, payload, content_type, kind):
     assert error_of(http.post(GENERATIONS, content=payload, headers={"Content-Type": content_type}), 400)["type"] == kind
     assert_serving(http)
 
 
 # ---- rows 5, 6: values out of range, a huge task ------------------------------------------------------------
-def test_row5_huge_noise_and_rtc_chunks_are_422_in_json_and_msgpack(http):
+def test_huge_noise_and_rtc_chunks_are_422_in_json_and_msgpack(http):
     noisy = small_body()
     noisy["input"]["observation"]["noise"] = np.full((50, 32), 3.4e38, np.float32)
     assert error_of(post_mp(http, noisy), 422)["field"] == "input.observation.noise"
@@ -141,7 +141,7 @@ def test_row5_huge_noise_and_rtc_chunks_are_422_in_json_and_msgpack(http):
     assert error_of(http.post(GENERATIONS, json=as_json), 422)["field"] == "input.observation.noise"
 
 
-def test_row6_a_16_mb_task_is_refused_before_tokenizing(server, http):
+def test_a_16_mb_task_is_refused_before_tokenizing(server, http):
     body = small_body()
     body["input"]["task"] = "pick " * (16 * 2**20 // 5)
     error = error_of(post_mp(http, body), 422)
@@ -156,7 +156,7 @@ def test_row6_a_16_mb_task_is_refused_before_tokenizing(server, http):
 
 # ---- row 7: a 48 MB JSON body does not stall the loop -----------------------------------------------------
 @pytest.mark.slow  # decodes 48 MB of JSON
-def test_row7_health_answers_while_a_48_mb_json_image_decodes(server, http):
+def test_health_answers_while_a_48_mb_json_image_decodes(server, http):
     row = b"[" + b",".join([b"[255,255,255]"] * 2000) + b"]"
     image = b"[" + b",".join([row] * 1900) + b"]"
     payload = (b'{"input": {"task": "pick", "observation": {"images": {"base_0_rgb": ' + image
@@ -179,7 +179,6 @@ def test_row7_health_answers_while_a_48_mb_json_image_decodes(server, http):
 
 
 # ---- row 8: shutdown answers in-flight websocket requests -------------------------------------------------
-@pytest.mark.slow  # two 100-step requests in flight
 def _inferences_in_flight(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     match = re.search(r"^vlaserve_inferences_in_flight (\S+)$", text, re.M)
@@ -187,7 +186,8 @@ def _inferences_in_flight(url: str) -> float:
     return float(match[1])
 
 
-def test_row8_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, tmp_path, golden_policy):
+@pytest.mark.slow  # two 100-step requests in flight
+def test_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     obs, noise = make_observation(7, cameras=("base_0_rgb",), size=(24, 24)), make_noise(7)
     replies, codes = {}, {}
@@ -242,7 +242,7 @@ def test_row8_sigterm_answers_in_flight_websocket_requests_then_closes_1012(gold
 
 
 # ---- rows 9, 10: half-open connections, clients that leave mid-body, slow bodies ----------------------------
-def test_row9_half_open_connections_past_the_limit_shed_the_oldest_and_time_out(server, http):
+def test_half_open_connections_past_the_limit_shed_the_oldest_and_time_out(server, http):
     sockets = []
     try:
         for _ in range(50):  # bounded: 50 sockets, against --max-connections 30
@@ -259,7 +259,7 @@ def test_row9_half_open_connections_past_the_limit_shed_the_oldest_and_time_out(
     assert_serving(http)
 
 
-def test_row9_past_the_limit_with_no_idle_connection_a_new_one_gets_503(server, http):
+def test_past_the_limit_with_no_idle_connection_a_new_one_gets_503(server, http):
     stalled = (f"POST {GENERATIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
     sockets = []
@@ -279,7 +279,7 @@ def test_row9_past_the_limit_with_no_idle_connection_a_new_one_gets_503(server, 
     assert_serving(http)
 
 
-def test_row10_clients_that_leave_half_way_through_a_body_log_nothing(server, http):
+def test_clients_that_leave_half_way_through_a_body_log_nothing(server, http):
     head = (f"POST {GENERATIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()
     for _ in range(20):
@@ -307,13 +307,13 @@ def test_a_body_that_stalls_gets_408(server):
 # ---- row 12: media types and origins ---------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", ["text/plain; x=json", "application/x-www-form-urlencoded; json",
                                           "multipart/form-data; boundary=json", "text/plain; x=msgpack"])
-def test_row12_only_exact_media_types(http, content_type):
+def test_only_exact_media_types(http, content_type):
     body = json.dumps({"input": {"task": "x"}}).encode()
     assert error_of(http.post(GENERATIONS, content=body, headers={"Content-Type": content_type}),
                     415)["type"] == "unsupported_media_type"
 
 
-def test_row12_browser_origins_are_refused_unless_allowed(server, http):
+def test_browser_origins_are_refused_unless_allowed(server, http):
     body = small_body()
     refused = http.post(GENERATIONS, content=msgpack_numpy.packb(body),
                         headers={"Content-Type": MSGPACK, "Origin": "http://evil.example"})
@@ -334,12 +334,12 @@ def test_row12_browser_origins_are_refused_unless_allowed(server, http):
 
 
 # ---- row 13 over the wire; row 14: the key file -------------------------------------------------------------------
-def test_row13_unknown_routes_and_methods_have_the_error_shape(server):
+def test_unknown_routes_and_methods_have_the_error_shape(server):
     assert error_of(httpx.get(server.url + "/nope"), 404)["type"] == "not_found"
     assert error_of(httpx.put(server.url + GENERATIONS), 405)["type"] == "method_not_allowed"
 
 
-def test_row14_the_key_from_the_file_is_required(server):
+def test_the_key_from_the_file_is_required(server):
     assert error_of(httpx.post(server.url + GENERATIONS, json={}), 401)["type"] == "unauthorized"
     assert httpx.get(server.url + "/v1/actions/metadata", headers={"X-API-Key": KEY}).status_code == 200
 

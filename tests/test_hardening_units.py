@@ -97,19 +97,19 @@ def _packable(value) -> bool:
 @pytest.mark.parametrize("payload", [b"[" * 100_000 + b"]" * 100_000,
                                      b'{"state": ' + b"[" * 5000 + b"0" + b"]" * 5000 + b"}",
                                      b"[" * (MAX_NESTING_DEPTH + 1) + b"]" * (MAX_NESTING_DEPTH + 1)])
-def test_row3_deep_json_is_a_decode_error(payload):
+def test_deep_json_is_a_decode_error(payload):
     with pytest.raises(DecodeError, match="nested deeper than"):
         loads_json(payload)
 
 
-def test_row3_deep_msgpack_is_a_decode_error():
+def test_deep_msgpack_is_a_decode_error():
     for depth in (MAX_NESTING_DEPTH + 1, 100_000):
         with pytest.raises(DecodeError, match="nested deeper than"):
             unpackb(b"\x91" * depth + b"\x90")
     assert unpackb(b"\x91" * (MAX_NESTING_DEPTH - 1) + b"\x90") is not None  # within the limit
 
 
-def test_row4_lone_surrogates_and_non_utf8_are_decode_errors():
+def test_lone_surrogates_and_non_utf8_are_decode_errors():
     with pytest.raises(DecodeError, match="surrogate"):
         loads_json(b'{"task": "pick \\ud800 up"}')
     with pytest.raises(DecodeError, match="not UTF-8"):
@@ -119,7 +119,7 @@ def test_row4_lone_surrogates_and_non_utf8_are_decode_errors():
     assert loads_json(b'{"task": "pick \\ud83d\\ude00 up"}')["task"] == "pick \U0001F600 up"  # a valid pair
 
 
-def test_row11_duplicate_keys_are_decode_errors():
+def test_duplicate_keys_are_decode_errors():
     with pytest.raises(DecodeError, match="duplicate key 'task'"):
         loads_json(b'{"input": {"task": "a", "task": "b"}}')
     with pytest.raises(DecodeError, match="duplicate key 'input'"):
@@ -168,7 +168,7 @@ def _body(**parts) -> dict:
     (lambda b: b["input"]["observation"].update(noise=np.full((50, 32), 3.4e38, np.float32)), "input.observation.noise"),
     (lambda b: b["input"].update(task="x" * 4097), "input.task"),
 ])
-def test_rows_1_5_6_out_of_range_values_are_refused_before_any_work(mutate, field):
+def test_out_of_range_values_are_refused_before_any_work(mutate, field):
     body = _body()
     mutate(body)
     with pytest.raises(ApiError) as refused:
@@ -192,7 +192,7 @@ class _NaNForTask:
         return SimpleNamespace(finish=lambda: results, done=lambda: True)
 
 
-def test_row5_non_finite_actions_fail_only_their_own_request():
+def test_non_finite_actions_fail_only_their_own_request():
     policy = _NaNForTask()
     batcher = Batcher(policy, max_batch_size=4, batch_delay_ms=200)
 
@@ -223,7 +223,7 @@ def broken_app(golden_policy, monkeypatch):
         yield client
 
 
-def test_row13_500_404_405_have_the_documented_shape_and_the_traceback_is_logged_once(broken_app, caplog):
+def test_500_404_405_have_the_documented_shape_and_the_traceback_is_logged_once(broken_app, caplog):
     body = {"input": {"task": "x", "observation": {"images": {"base_0_rgb": [[[0, 0, 0]]]}, "state": [0.0] * 14}}}
     with caplog.at_level(logging.ERROR):
         crashed = broken_app.post("/v1/actions/generations", json=body)
@@ -238,7 +238,7 @@ def test_row13_500_404_405_have_the_documented_shape_and_the_traceback_is_logged
                                                                                                "message"}
 
 
-def test_row13_openpi_socket_gets_one_line_not_a_traceback(broken_app):
+def test_openpi_socket_gets_one_line_not_a_traceback(broken_app):
     with broken_app.websocket_connect("/openpi/policy") as ws:
         ws.receive_bytes()  # metadata
         ws.send_bytes(packb({"observation/image": np.zeros((8, 8, 3), np.uint8),
@@ -263,7 +263,7 @@ def test_repeated_log_messages_are_rate_limited_and_counted():
 
 
 # ---- API key options: row 14 ------------------------------------------------------------------------------
-def test_row14_api_key_sources(tmp_path, monkeypatch):
+def test_the_api_key_comes_from_one_source_and_is_never_empty(tmp_path, monkeypatch):
     monkeypatch.delenv("VLASERVE_API_KEY", raising=False)
     with pytest.raises(UsageError, match="--api-key is empty"):
         serve_options({"api_key": ""})
@@ -282,7 +282,7 @@ def test_row14_api_key_sources(tmp_path, monkeypatch):
         serve_options({})
 
 
-def test_row7_msgpack_bodies_that_are_costly_to_decode_leave_the_event_loop():
+def test_msgpack_bodies_that_are_costly_to_decode_leave_the_event_loop():
     from vlaserve.server.codec import OverBudget
 
     cameras = {c: np.zeros((224, 224, 3), np.uint8) for c in METADATA["cameras"]}

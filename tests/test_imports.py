@@ -134,6 +134,10 @@ def test_the_package_has_no_import_cycle():
 # nothing below the policy knows the policy, the batcher above it, or the server and command line.
 ABOVE_THE_POLICY = ("vlaserve.policy", "vlaserve.batcher", "vlaserve.server", "vlaserve.fleet", "vlaserve.cli",
                     "vlaserve.options", "vlaserve.info", "vlaserve.golden")
+# Start-up drives the engine and is dropped: the runtime never knows it. The runtime reads host batches
+# (vlaserve.types) and may use processing's pure image math, nothing else of the host side; processing
+# is host-only and knows neither the model nor the families.
+RUNTIME_MAY_USE_OF_PROCESSING = ("vlaserve.processing.images",)
 RULES = {
     "vlaserve.types": {"allowed": ("vlaserve.errors",)},
     "vlaserve.config": {"allowed": ("vlaserve.errors", "vlaserve.checkpoint.files")},
@@ -143,6 +147,12 @@ RULES = {
         "vlaserve.errors", "vlaserve.model", "vlaserve.processing", "vlaserve.runtime", "vlaserve.family",
         "vlaserve.demo")},
     "vlaserve.policy": {"forbidden": ABOVE_THE_POLICY[1:]},
+    "vlaserve.runtime": {"forbidden": (*ABOVE_THE_POLICY, "vlaserve.startup", "vlaserve.processing"),
+                         "except": RUNTIME_MAY_USE_OF_PROCESSING},
+    "vlaserve.runtime.fast": {"forbidden": ("vlaserve.runtime",)},  # the fast model and its kernels, below the runners
+    "vlaserve.startup": {"forbidden": ABOVE_THE_POLICY},
+    "vlaserve.processing": {"forbidden": (*ABOVE_THE_POLICY, "vlaserve.model", "vlaserve.family", "vlaserve.runtime",
+                                          "vlaserve.startup")},
     "vlaserve.fleet": {"forbidden": ("vlaserve.cli",)},
 }
 
@@ -162,7 +172,8 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
                     continue
                 if "allowed" in rule and not any(_within(target, a) for a in rule["allowed"]):
                     found.append(f"{module} imports {target} (it may import only {', '.join(rule['allowed'])})")
-                if any(_within(target, f) for f in rule.get("forbidden", ())):
+                if any(_within(target, f) for f in rule.get("forbidden", ())) and not any(
+                        _within(target, e) for e in rule.get("except", ())):
                     found.append(f"{module} imports {target}, a layer above it")
     return found
 
@@ -224,6 +235,23 @@ def test_a_layer_importing_upwards_is_found(tmp_path):
     assert layering_violations(import_graph(root)) == [
         "vlaserve.runtime.batcher imports vlaserve.policy, a layer above it",
         "vlaserve.types imports vlaserve.processing.images (it may import only vlaserve.errors)"]
+
+
+def test_the_runtime_may_use_processings_image_math_only_and_never_start_up(tmp_path):
+    root = write(tmp_path, {
+        "__init__.py": "",
+        "processing/__init__.py": "",
+        "processing/images.py": "",
+        "processing/prepare.py": "",
+        "startup/__init__.py": "",
+        "startup/plan.py": "",
+        "runtime/__init__.py": "",
+        "runtime/transfer.py": "from ..processing.images import finish_frame\nfrom ..processing.prepare import Preprocessor\n",
+        "runtime/runner.py": "def go():\n    from ..startup.plan import capture_plan\n",
+    })
+    assert layering_violations(import_graph(root)) == [
+        "vlaserve.runtime.runner imports vlaserve.startup.plan, a layer above it",
+        "vlaserve.runtime.transfer imports vlaserve.processing.prepare, a layer above it"]
 
 
 def test_an_acyclic_package_passes(tmp_path):

@@ -52,7 +52,7 @@ def test_where_the_driver_refuses_the_graph_keeps_its_memsets_and_the_log_says_s
         assert memset_nodes.memsets_as_kernels(1234) == (0, 0)
         assert memset_nodes.memsets_as_kernels(5678) == (0, 0)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "CUresult 218" in warnings[0] and "graph_memset_kernels=False" in warnings[0]
+    assert len(warnings) == 1 and "CUresult 218" in warnings[0]
 
 
 def _ptxas() -> str | None:
@@ -82,7 +82,7 @@ def test_the_fill_kernels_ptx_assembles(tmp_path, arch):
 def test_on_a_gpu_a_graph_with_memsets_writes_the_same_bytes_with_fill_kernels():
     """Memsets of 1, 2 and 4-byte elements (one row, and 2D with a pitch) recorded between kernels that read
     what they wrote: the graph edited has no memset node left and gives the same bytes, replay after replay."""
-    from vlaserve.runtime.fast.graphs import _Graph
+    from vlaserve.runtime.graphs import _Graph
 
     cudart = next(ctypes.CDLL(line.split()[-1]) for line in open("/proc/self/maps") if "libcudart" in line)
     driver = ctypes.CDLL("libcuda.so.1")
@@ -109,10 +109,17 @@ def test_on_a_gpu_a_graph_with_memsets_writes_the_same_bytes_with_fill_kernels()
 
     stream = torch.cuda.Stream()
     results = []
-    for memset_kernels in (False, True):
+    def as_captured():  # the graph with its memset nodes, as torch captures it
+        plain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(plain, stream=stream):
+            record()
+        return plain
+
+    for edit in (False, True):
         scratch.zero_(), out.zero_()
-        graph = _Graph(record, torch.cuda.graph_pool_handle(), stream, memset_kernels)
-        assert (graph.memsets_replaced, graph.memsets_left) == ((len(memsets), 0) if memset_kernels else (0, 0))
+        graph = _Graph(record, torch.cuda.graph_pool_handle(), stream) if edit else as_captured()
+        if edit:
+            assert (graph.memsets_replaced, graph.memsets_left) == (len(memsets), 0)
         replays = []
         for _ in range(3):
             graph.replay()
@@ -258,12 +265,12 @@ def test_the_runner_reports_what_its_graphs_edits_did(golden_policy, monkeypatch
     """FastRunner.memset_nodes (the runtime's stats()["graphs"]["memset_nodes"]) holds the sum over the graphs it
     captured of the memsets each replaced, those it left and the seconds its edit took; a graph that raises while
     recording (a dropped capture) adds nothing. The graphs here are stand-ins reporting fixed figures."""
-    from vlaserve.runtime.fast import graphs as graphs_module
+    from vlaserve.runtime import graphs as graphs_module
 
     reports = iter([(44, 0, 0.25), (0, 0, 0.5), (3, 1, 0.125)])
 
     class Reporting:
-        def __init__(self, fn, pool, stream, memset_kernels):
+        def __init__(self, fn, pool, stream):
             fn()
             self.memsets_replaced, self.memsets_left, self.edit_s = next(reports)
 
@@ -272,12 +279,9 @@ def test_the_runner_reports_what_its_graphs_edits_did(golden_policy, monkeypatch
 
     monkeypatch.setattr(graphs_module, "_Graph", Reporting)
     runner = graphs_module.FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False)
-    assert runner.memset_nodes == {"enabled": True, "replaced": 0, "left": 0, "edit_s": 0.0}
+    assert runner.memset_nodes == {"replaced": 0, "left": 0, "edit_s": 0.0}
     for _ in range(3):
         runner._new_graph(lambda: None)
     with pytest.raises(graphs_module.KernelNotLoaded):
         runner._new_graph(dropped)
-    assert runner.memset_nodes == {"enabled": True, "replaced": 47, "left": 1, "edit_s": 0.875}
-    off = graphs_module.FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False,
-                                   memset_kernels=False)
-    assert off.memset_nodes["enabled"] is False
+    assert runner.memset_nodes == {"replaced": 47, "left": 1, "edit_s": 0.875}

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from vlaserve.runtime import compile_cache
-from vlaserve.runtime.capture import capture_plan
+from vlaserve.startup.plan import capture_plan
+from vlaserve.runtime.graphs import FastRunner
 from vlaserve.runtime.fast.kernels import launch_options
 from vlaserve.runtime.fast.precompile import (CompilePool, KernelNotLoaded, KernelRecorder, compile_workers,
                                               build_launcher, hash_triton_ahead, loaded_kernels_only)
@@ -218,7 +219,7 @@ def test_a_launch_of_a_kernel_not_loaded_here_raises_before_anything_compiles(sm
 
 
 def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
-    """capture_warmups="on_new_kernel" on the real FastRunner.capture (the CPU stand-ins of
+    """The real FastRunner.capture (the CPU stand-ins of
     test_capture.py), each call also launching real Triton kernels: a warm-up runs where a capture
     meets a kernel not loaded, and only there; nothing compiles inside a capture."""
     from test_capture import SlowCaptureRunner
@@ -232,6 +233,8 @@ def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
     class KernelsPerCall(SlowCaptureRunner):
         """A call launches its kernels through Triton's warm-up entry: a warm-up compiles and loads
         them; a capture meets them, loaded or not."""
+
+        _captures_first = FastRunner._captures_first  # these calls launch Triton kernels
 
         def capture(self, key, num_steps):
             self.key = key
@@ -252,30 +255,29 @@ def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
             for block in blocks[(key.is_prefix, key.batch, key.rtc)]:
                 _copy.warmup(x, x, 64, BLOCK=block, grid=(1,), **OPTIONS)
 
-    runs = {}
-    for mode in ("on_new_kernel", "per_kernel"):
-        _copy.device_caches.clear()  # nothing loaded in the "process"
-        sm90.clear()
-        runner = KernelsPerCall(golden_policy, warmups=mode)
-        for key in plan:
-            warm_s, capture_s = runner.capture(key, config.num_inference_steps)
-            assert warm_s >= 0 and capture_s > 0
-        assert runner.captures == len(plan) and len(sm90) == 4  # each kernel compiled once
-        runs[mode] = (runner.warm_up_runs - len(runner.attention_images), runner.warm_ups_skipped)
+    _copy.device_caches.clear()  # nothing loaded in the "process"
+    sm90.clear()
+    runner = KernelsPerCall(golden_policy)
+    for key in plan:
+        warm_s, capture_s = runner.capture(key, config.num_inference_steps)
+        assert warm_s >= 0 and capture_s > 0
+    assert runner.captures == len(plan) and len(sm90) == 4  # each kernel compiled once
     # b1's prefix warms up first (nothing has); b1's Euler steps with and without RTC and b2's
-    # without meet a new BLOCK; b2's prefix and its Euler steps with RTC launch loaded ones only; the
-    # frames' conversion (torch's kernels) warms up once
-    assert runs == {"on_new_kernel": (5, 2), "per_kernel": (7, 0)}
+    # without meet a new BLOCK; b2's prefix and its Euler steps with RTC launch loaded ones only (of
+    # the 6 signatures, 2 skip their warm-up); the frames' conversion (torch's kernels) warms up once
+    assert (runner.warm_up_runs - len(runner.attention_images), runner.warm_ups_skipped) == (5, 2)
 
 
 def test_a_cute_library_warms_every_signature_up_first(golden_policy):
-    from test_capture import SlowCaptureRunner
+    def new_runner():
+        return FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False)
 
-    runner = SlowCaptureRunner(golden_policy, warmups="on_new_kernel")
+    runner = new_runner()
+    assert not runner._captures_first()  # before the first warm-up
     runner._warmed.add(("prefix", 1, 48, None))
     assert runner._captures_first()
     for library in ("gemm_library", "attention_library"):  # CuTe DSL kernels compile per shape, unseen by Triton
-        quack = SlowCaptureRunner(golden_policy, warmups="on_new_kernel")
+        quack = new_runner()
         quack._warmed.add(("prefix", 1, 48, None))
         setattr(quack, library, "quack" if library == "gemm_library" else "fa4")
         assert not quack._captures_first()
@@ -362,6 +364,8 @@ def test_an_empty_cache_is_one_without_a_single_entry(tmp_path):
 class _Recording:
     """A runner stand-in that records the order of kernel recordings and captures."""
 
+    warm_ups_skipped, memset_nodes = 0, {"replaced": 0, "left": 0, "edit_s": 0.0}  # what start-up reports of it
+
     def __init__(self):
         self.events = []
 
@@ -397,14 +401,15 @@ class _Pool:
 def test_the_graphs_serving_waits_for_then_each_batch_size_compile_together_before_their_first_capture(
         golden_policy, with_pool, caplog):
     from vlaserve.runtime.runner import Runtime
+    from vlaserve.startup.engine import Startup
 
     runner = _Recording()
     runtime = Runtime(golden_policy.model, golden_policy.config, golden_policy.runtime.settings,
                       torch.device("cpu"), torch.float32, "test")
     plan = capture_plan((1, 2, 4), (48, 96), 2)
     pool = _Pool(runner.events) if with_pool else None
-    with caplog.at_level("INFO", logger="vlaserve.runtime.runner"):
-        runtime.serve_while_capturing(runner, plan, 10, background=False, compile_pool=pool)
+    with caplog.at_level("INFO", logger="vlaserve.startup.engine"):
+        Startup(runtime).begin(runner, plan, 10, background=False, compile_pool=pool)
     captures = [e[1] for e in runner.events if e[0] == "capture"]
     assert captures == plan
     if not with_pool:

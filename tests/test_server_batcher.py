@@ -7,8 +7,6 @@ follow are formed from a known queue rather than from timing luck.
 from __future__ import annotations
 
 import asyncio
-import queue
-import sys
 import threading
 import time
 
@@ -215,23 +213,6 @@ def test_a_client_in_the_running_batch_is_due_when_its_answer_and_think_time_fit
     assert clients.due(1.001, running_ends=1.002) == 1
 
 
-def test_overlapped_and_serial_batching_give_the_same_answers(golden_policy):
-    """The same requests through the overlapped batcher and the one-batch-at-a-time one: identical
-    actions (the batches are the same, gated; only when each is formed and answered differs)."""
-    answers = {}
-    for overlap in (True, False):
-        gated = GatedPolicy(golden_policy)
-        batcher = Batcher(gated, max_batch_size=8, overlap=overlap)
-        requests = [{"obs": observation(i), "seed": i, "num_steps": 2} for i in range(4)]
-        try:
-            answers[overlap] = asyncio.run(_submit_while_gated(batcher, gated, requests))
-        finally:
-            batcher.close()
-        assert [tasks for tasks, _ in gated.batches] == [["task 0"], ["task 1", "task 2", "task 3"]]
-    for overlapped, serial in zip(answers[True], answers[False]):
-        np.testing.assert_array_equal(overlapped.actions, serial.actions)
-
-
 class AsyncDevice:
     """A policy on a pretend asynchronous device: `launch` returns at once; a batch's `finish`
     blocks until the test releases it (batches launched while `holding` are held). Each answer's
@@ -285,16 +266,15 @@ class AsyncBatch:
                                 {"device_ms": AsyncDevice.DEVICE_MS}) for r in self.requests]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap):
+def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one():
     """Once batches of a size have been timed, the next batch is formed shortly before the running
     one is due to finish (its predicted end), from everything queued by then, and launched behind
-    it; without overlap it waits for the answers. Nothing here depends on how fast the CI is: the
-    running batch finishes only when the test releases it."""
+    it. Nothing here depends on how fast the CI is: the running batch finishes only when the test
+    releases it."""
     from vlaserve.types import Observation, Request
 
     device = AsyncDevice()
-    batcher = Batcher(device, max_batch_size=8, overlap=overlap)
+    batcher = Batcher(device, max_batch_size=8)
 
     def request(seed: int) -> Request:
         return Request(Observation({}, np.zeros(14, np.float32), f"task {seed}"), num_steps=10, seed=seed)
@@ -307,7 +287,7 @@ def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap
         assert await loop.run_in_executor(None, device.launched, 2)
         queued = [asyncio.ensure_future(batcher.submit(request(s))) for s in (2, 3)]
         # Overlap: launched ~500 ms after batch 2 (its predicted end), batch 2 still unreleased.
-        enqueued_behind = await loop.run_in_executor(None, device.launched, 3, 2.0 if overlap else 1.0)
+        enqueued_behind = await loop.run_in_executor(None, device.launched, 3, 2.0)
         still_running = not device.batches[1].finished
         device.release_all()
         return first, await running, await asyncio.gather(*queued), enqueued_behind, still_running
@@ -318,7 +298,7 @@ def test_the_next_batch_is_enqueued_while_the_device_still_runs_this_one(overlap
         device.release_all()
         batcher.close()
     assert still_running
-    assert enqueued_behind == overlap
+    assert enqueued_behind
     assert [[r.seed for r in b.requests] for b in device.batches] == [[0], [1], [2, 3]]
     for seed, result in zip(range(4), [first, running, *queued]):
         assert (result.actions == seed).all()  # each answer went to its own request
@@ -416,23 +396,6 @@ def test_a_group_fills_batches_up_to_the_limit_in_order(golden_policy):
         np.testing.assert_allclose(result.actions, expected, rtol=0, atol=ATOL)
 
 
-class QuickDevice(AsyncDevice):
-    """AsyncDevice whose launches the batcher may make on the submitting thread (`quick`), recording
-    which thread launched each batch."""
-
-    def __init__(self, quick: bool = True):
-        super().__init__()
-        self.quick = quick
-        self.threads: list[str] = []
-
-    def launches_quickly(self, request) -> bool:
-        return self.quick
-
-    def launch(self, requests):
-        self.threads.append(threading.current_thread().name)
-        return super().launch(requests)
-
-
 def _request(seed: int, client=None):
     from vlaserve.types import Observation, Request
 
@@ -441,97 +404,13 @@ def _request(seed: int, client=None):
     return request
 
 
-async def _until_idle(batcher: Batcher, timeout: float = 10.0) -> None:
-    """Waits (a liveness bound only) until nothing is in flight and the launch thread is parked on its
-    queue: the state in which a lone request is launched directly."""
-    deadline = time.monotonic() + timeout
-    while not (batcher.clock.idle() and _parked_on_its_queue(batcher)):
-        assert time.monotonic() < deadline, "the batcher never went idle"
-        await asyncio.sleep(0.001)
-
-
-def _parked_on_its_queue(batcher: Batcher) -> bool:
-    frame = sys._current_frames().get(batcher._launcher.ident)
-    while frame is not None:
-        if frame.f_code is queue.Queue.get.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_lone_request_on_an_idle_device_is_launched_by_the_thread_that_submits_it(direct):
-    """With direct_launch, a lone request that would run at once is launched by the submitting thread
-    (the event loop here), not the launch thread; answered the same. Off, the launch thread launches it."""
-    device = QuickDevice()
-    batcher = Batcher(device, max_batch_size=8, direct_launch=direct)
-
-    async def scenario():
-        answers = []
-        for seed in (1, 2, 3):
-            # An answer reaches the caller before the device clock counts its batch done, and the
-            # launch thread takes a moment to park again: submit only once both are idle.
-            await _until_idle(batcher)
-            answers.append(await batcher.submit(_request(seed)))
-        return answers
-
-    try:
-        answers = asyncio.run(scenario())
-    finally:
-        batcher.close()
-    assert [(a.actions == seed).all() for a, seed in zip(answers, (1, 2, 3))] == [True] * 3
-    here = threading.current_thread().name
-    assert device.threads == ([here] * 3 if direct else ["vlaserve-launch"] * 3)
-    assert batcher.direct_launches == (3 if direct else 0)
-
-
-def test_a_request_is_not_launched_directly_when_the_policy_says_its_launch_is_slow():
-    """The eager model computes inside launch (Policy.launches_quickly false): it stays on the launch thread."""
-    device = QuickDevice(quick=False)
-    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
-    try:
-        asyncio.run(batcher.submit(_request(1)))
-    finally:
-        batcher.close()
-    assert device.threads == ["vlaserve-launch"] and batcher.direct_launches == 0
-
-
-def test_requests_arriving_while_a_direct_launch_runs_are_batched_behind_it():
-    """A request launched directly occupies the device like any batch: the ones arriving meanwhile are
-    not launched directly (the device is busy) and wait for it together, as one batch formed by the
-    launch thread once it is done (its device time not known yet: the clock waits for its answers)."""
-    device = QuickDevice()
-    device.holding = True
-    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
-
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        first = asyncio.ensure_future(batcher.submit(_request(0)))
-        assert await loop.run_in_executor(None, device.launched, 1)
-        rest = [asyncio.ensure_future(batcher.submit(_request(s))) for s in (1, 2)]
-        await asyncio.sleep(0.1)  # the launch thread takes request 1 and must hold it, not launch it
-        launched_early = len(device.batches)
-        device.release_all()
-        return launched_early, await asyncio.gather(first, *rest)
-
-    try:
-        launched_early, answers = asyncio.run(scenario())
-    finally:
-        device.release_all()
-        batcher.close()
-    assert launched_early == 1
-    assert [[r.seed for r in b.requests] for b in device.batches] == [[0], [1, 2]]
-    assert device.threads == [threading.current_thread().name, "vlaserve-launch"]
-    assert [(a.actions == seed).all() for a, seed in zip(answers, (0, 1, 2))] == [True] * 3
-
-
-def test_a_request_is_not_launched_directly_while_another_client_is_due_back():
-    """Two robots back to back: the first of them back after a shared answer must not run alone while
-    the other is due within COMPANY_WAIT_S: it goes through the queue, where the launch thread waits
-    for the other, and they run as one batch (as without direct launch). Which clients are due is
-    ReturningClients' (its think-time tests); here it says one is, so nothing rests on this machine's timing."""
-    device = QuickDevice()
-    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+def test_a_request_waits_for_another_client_due_back_and_they_run_as_one_batch():
+    """Two robots back to back: the first of them back after a shared answer does not run alone while
+    the other is due within COMPANY_WAIT_S: the launch thread waits for the other, and they run as one
+    batch. Which clients are due is ReturningClients' (its think-time tests); here it says one is, so
+    nothing rests on this machine's timing."""
+    device = AsyncDevice()
+    batcher = Batcher(device, max_batch_size=8)
     batcher.clients.due = lambda now, running_ends=None: 1
 
     async def scenario():
@@ -544,13 +423,12 @@ def test_a_request_is_not_launched_directly_while_another_client_is_due_back():
         batches_before = asyncio.run(scenario())
     finally:
         batcher.close()
-    assert [r.seed for r in device.batches[-1].requests] == [100, 101]
-    assert device.threads[batches_before] == "vlaserve-launch"
+    assert [r.seed for r in device.batches[batches_before].requests] == [100, 101]
 
 
-def test_closing_refuses_new_requests_and_answers_a_direct_launch_made_before():
-    device = QuickDevice()
-    batcher = Batcher(device, max_batch_size=8, direct_launch=True)
+def test_closing_refuses_new_requests_and_answers_those_made_before():
+    device = AsyncDevice()
+    batcher = Batcher(device, max_batch_size=8)
 
     async def scenario():
         answer = await batcher.submit(_request(7))
@@ -560,4 +438,4 @@ def test_closing_refuses_new_requests_and_answers_a_direct_launch_made_before():
         return answer
 
     answer = asyncio.run(scenario())
-    assert (answer.actions == 7).all() and batcher.direct_launches == 1
+    assert (answer.actions == 7).all()

@@ -1,5 +1,5 @@
-"""Whose turn the device is while CUDA graphs are captured beside serving (runtime/turns.py: a warm-up's),
-and a batch's wait meanwhile (runtime/runner.Launched): plain threads, no device."""
+"""Whose turn the device is while start-up captures CUDA graphs beside serving (startup/turns.py: a warm-up's),
+and a batch's wait meanwhile (runtime/runner.Enqueued): plain threads, no device."""
 
 import threading
 import time
@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from vlaserve.runtime.runner import HostTimed, Launched
-from vlaserve.runtime.turns import DeviceTurns
+from vlaserve.runtime.gate import OpenGate
+from vlaserve.runtime.runner import HostTimed, Enqueued
+from vlaserve.startup.turns import DeviceTurns
 
 
 def _until(condition, bound_s: float = 10.0) -> None:
@@ -18,14 +19,8 @@ def _until(condition, bound_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def _capturing_turns() -> DeviceTurns:
-    turns = DeviceTurns()
-    turns.capturing = True
-    return turns
-
-
 def _idle_turns(**bounds) -> DeviceTurns:
-    turns = _capturing_turns()
+    turns = DeviceTurns()
     for name, value in bounds.items():
         setattr(turns, name, value)
     turns._idle_since -= 1.0  # serving has been idle for a second
@@ -62,7 +57,7 @@ def test_one_warm_up_beside_each_launched_batch_then_after_serving_went_idle():
     turns = _idle_turns(IDLE_S=0.5, FIRST_S=30.0)
     started = time.perf_counter()
     turns.before_warm_up()  # idle for long: at once
-    turns.launched()
+    turns.enqueued()
     turns.before_warm_up()  # beside the fresh batch: at once
     assert time.perf_counter() - started < 0.25
 
@@ -70,7 +65,7 @@ def test_one_warm_up_beside_each_launched_batch_then_after_serving_went_idle():
     second.start()
     second.join(0.1)
     assert second.is_alive()
-    turns.launched()  # the next batch: the warm-up goes beside it
+    turns.enqueued()  # the next batch: the warm-up goes beside it
     second.join(10)
     assert not second.is_alive()
 
@@ -120,34 +115,23 @@ class _Stages:
         return {}
 
 
-@pytest.mark.parametrize("capturing", [True, False])
-def test_a_wait_blocks_on_its_event_without_the_device_lock(capturing):
-    """Graphs are recorded in thread-local mode, so a batch's wait needs no lock while they are, nor polls."""
-    turns = _capturing_turns() if capturing else DeviceTurns()
+@pytest.mark.parametrize("during_startup", [True, False])
+def test_a_wait_blocks_on_its_event_without_the_device_lock(during_startup):
+    """Graphs are recorded in thread-local mode, so a batch's wait needs no lock while they are, nor polls;
+    behind start-up's gate (its turns count the batch in flight) or the open one (the plain device lock)."""
+    turns = DeviceTurns()
+    gate = turns if during_startup else OpenGate(turns.lock)
     event = _Event(turns)
-    launched = Launched(torch.zeros(1), event, _Stages(turns, event.calls), turns)
-    assert turns._in_flight == int(capturing)  # (counted only while graphs are captured beside serving)
+    launched = Enqueued(torch.zeros(1), event, _Stages(turns, event.calls), gate)
+    assert turns._in_flight == int(during_startup)
     launched.wait()
     assert event.calls == [("synchronize", False), ("read", False)] and turns._in_flight == 0
     assert launched.done() and event.calls[-1] == ("query", False)
 
 
-def test_a_warm_up_takes_the_device_lock_and_goes_at_once_when_nothing_is_captured_beside_serving():
-    turns = DeviceTurns()  # not capturing: a runner on its own (benchmarks, tests)
-    turns.IDLE_S = turns.FIRST_S = 5.0  # the waits the rule would impose while capturing: far above the bound below
-    turns.launched()  # (not counted: nothing is captured beside serving)
-    with turns.lock:  # even with a batch on the device: nobody serves beside it
-        started = time.perf_counter()
-        turns.before_warm_up()
-        assert time.perf_counter() - started < 0.25  # at once, well under IDLE_S and FIRST_S
-    with turns.warm_up():
-        assert turns.lock._is_owned()
-    assert not turns.lock._is_owned()
-
-
 def test_a_host_batch_counts_as_launched_and_collected():
-    turns = _capturing_turns()  # (counted only while graphs may be captured)
-    launched = Launched(torch.zeros(2), None, HostTimed({"prefix_ms": 1.0}), turns)
+    turns = DeviceTurns()
+    launched = Enqueued(torch.zeros(2), None, HostTimed({"prefix_ms": 1.0}), turns)
     assert turns._in_flight == 1
     actions, stages = launched.wait()
     assert actions.shape == (2,) and stages == {"prefix_ms": 1.0} and turns._in_flight == 0

@@ -12,12 +12,7 @@ finish everything queued (up to the batch limit, one step count) is enqueued beh
 device goes from one batch to the next without waiting for the host: the next batch's collation and
 host-to-device copies overlap the end of this one, and this one's results go back while the next
 runs. A batch of 8 costs far less than 8 calls. `batch_delay_ms` (default 0) is an optional extra
-wait for company after the first request of a batch. `overlap=False` runs one batch at a time.
-
-With `direct_launch`, a lone request that would run at once anyway (nothing on the device, nothing
-queued, no client due back, and a launch the policy says is quick: graphs replayed, no warm-up to wait
-for) is launched by the thread that submits it (the server's event loop, warm from preparing it)
-instead of waking the launch thread: the same batch of one, without the hop and a cold collation.
+wait for company after the first request of a batch.
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ COMPANY_WAIT_S = 0.005
 # decoding and preparing) are waited for. A paced robot's think time is its period minus its
 # latency (a 4 Hz robot: ~230 ms), and its return predicted from it is off by however much its
 # latency moved: waiting for it delayed whole batches for robots that did not come, which turned
-# 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet run 177).
+# 16 robots at 4 Hz from mostly batches of 1 into batches of 2-4 (bench_fleet).
 BACK_TO_BACK_S = 0.010
 
 
@@ -139,14 +134,12 @@ class DeviceClock:
         self._end: float | None = 0.0  # perf_counter seconds; None: not predictable
         self._device_s: dict[tuple, float] = {}
         self.launch_s = 0.0  # smoothed host time from forming a batch to its launch returning
-        self.last_launch_s = 0.0  # perf_counter seconds when the last batch launched began forming
 
     def launched(self, shape: tuple, started: float, now: float, asynchronous: bool) -> None:
         """A batch was enqueued between `started` and `now`. A launch that returned with its work
         done (the eager model runs synchronously) leaves nothing to overlap: the next batch waits
         for its answers, as without overlap."""
         with self._cond:
-            self.last_launch_s = started
             cost = self._device_s.get(shape) if asynchronous else None
             self._end = None if cost is None or self._end is None else max(now, self._end) + cost
             self._in_flight += 1
@@ -164,17 +157,6 @@ class DeviceClock:
                 self._end = 0.0
             self._cond.notify_all()
 
-    def idle(self) -> bool:
-        """Nothing launched is still running."""
-        with self._cond:
-            return not self._in_flight
-
-    def turn_now(self) -> bool:
-        """What `await_turn` waits for, now: nothing in flight, or one launch predicted to end within
-        the host's launch time plus LAUNCH_MARGIN_S."""
-        with self._cond:
-            return self._turn_in(time.perf_counter()) <= 0
-
     def _turn_in(self, now: float) -> float:
         """Seconds until the next batch may be formed (<= 0: now); inf when only a finish can tell."""
         if not self._in_flight:
@@ -182,12 +164,6 @@ class DeviceClock:
         if self._in_flight == 1 and self._end is not None:
             return self._end - (self.launch_s + LAUNCH_MARGIN_S) - now
         return float("inf")
-
-    def device_s(self, shape: tuple) -> float | None:
-        """The smoothed device time of a batch of `shape` (batch size, step count, graphs); None
-        before the first one finished."""
-        with self._cond:
-            return self._device_s.get(shape)
 
     def predicted_end(self) -> float | None:
         """When everything launched is predicted to be done (perf_counter seconds); None: nothing in
@@ -205,7 +181,7 @@ class DeviceClock:
 
 class Batcher:
     def __init__(self, policy: Policy, max_batch_size: int = 8, batch_delay_ms: float = 0.0,
-                 on_batch: Callable[[int], None] | None = None, overlap: bool = True, direct_launch: bool = False):
+                 on_batch: Callable[[int], None] | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         if batch_delay_ms < 0:
@@ -214,18 +190,12 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.batch_delay_s = batch_delay_ms / 1000.0
         self.on_batch = on_batch
-        self.overlap = overlap
-        self.direct_launch = direct_launch
-        self.direct_launches = 0  # lone requests launched by the thread that submitted them
         self.clients = ReturningClients()
         self.clock = DeviceClock()
         self._queue: queue.Queue = queue.Queue()
         self._launched: queue.Queue = queue.Queue()  # (batch, LaunchedBatch, started) in launch order
-        # Guards `_closed` together with the put (or a launch in the caller), so nothing can be queued
-        # or launched behind the stop marker.
+        # Guards `_closed` together with the put, so nothing can be queued behind the stop marker.
         self._lock = threading.Lock()
-        # Held by whoever forms and launches a batch: the launch thread, or a caller launching its lone request.
-        self._launching = threading.Lock()
         # Requests that did not fit the batch being formed (another key, or past the limit), in arrival order.
         self._held: collections.deque = collections.deque()
         self._closed = False
@@ -241,8 +211,7 @@ class Batcher:
     def submit_many(self, requests: list[Request],
                     loop: asyncio.AbstractEventLoop | None = None) -> list[asyncio.Future]:
         """Queues requests as one group (they reach the launch thread together, so a group of B
-        fills batches up to the limit instead of racing it), or with `direct_launch` launches a lone one
-        here when it would run at once; one future per request, each failing alone.
+        fills batches up to the limit instead of racing it); one future per request, each failing alone.
         `loop`: the event loop that awaits the futures, when called from another thread (the server's
         worker that prepared a request queues it: one thread hop less than going back through the loop)."""
         loop = loop or asyncio.get_running_loop()
@@ -252,26 +221,8 @@ class Batcher:
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the server is shutting down")
-            if not (len(pending) == 1 and self._launched_here(pending[0])):
-                self._queue.put(pending[0] if len(pending) == 1 else pending)
+            self._queue.put(pending[0] if len(pending) == 1 else pending)
         return [p.future for p in pending]
-
-    def _launched_here(self, request: _Pending) -> bool:
-        """Launches a lone request on this thread when the launch thread would launch it alone at once
-        (see the module docstring) -> whether it did. Never waits: a batch being formed holds the lock."""
-        if not (self.direct_launch and not self.batch_delay_s and self.policy.launches_quickly(request.request)):
-            return False
-        if not self._launching.acquire(blocking=False):
-            return False
-        try:
-            if (self._held or not self._queue.empty() or not self.clock.idle()
-                    or self.clients.due(time.perf_counter())):
-                return False
-            self._execute([request])
-            self.direct_launches += 1
-            return True
-        finally:
-            self._launching.release()
 
     def close(self) -> None:
         """Stops taking requests, finishes every queued one, then joins the threads."""
@@ -289,25 +240,15 @@ class Batcher:
     def _run(self) -> None:
         held = self._held
         while True:
-            self.clock.await_turn() if self.overlap else self._await_idle()
-            with self._launching:
-                first = held.popleft() if held else None
-            if first is None:
-                first = self._queue.get()
-            with self._launching:
-                if not self._my_turn():  # a caller launched its lone request meanwhile: wait for it
-                    held.appendleft(first)
-                    continue
-                if isinstance(first, list):  # a group: its first request leads, the rest wait in line first
-                    held.extendleft(reversed(first[1:]))
-                    first = first[0]
-                if first is _STOP:
-                    self._launched.put(_STOP)
-                    return
-                self._execute(self._form(first))
-
-    def _my_turn(self) -> bool:
-        return self.clock.turn_now() if self.overlap else self.clock.idle()
+            self.clock.await_turn()
+            first = held.popleft() if held else self._queue.get()
+            if isinstance(first, list):  # a group: its first request leads, the rest wait in line first
+                held.extendleft(reversed(first[1:]))
+                first = first[0]
+            if first is _STOP:
+                self._launched.put(_STOP)
+                return
+            self._execute(self._form(first))
 
     def _form(self, first: _Pending) -> list[_Pending]:
         """The batch `first` leads: the held requests of its key, then what the queue brings now, or within
@@ -343,10 +284,6 @@ class Batcher:
                     held.append(item)
         return batch
 
-    def _await_idle(self) -> None:
-        """Without overlap: the next batch is formed only once the last one is answered."""
-        self._launched.join()
-
     def _execute(self, batch: list[_Pending]) -> None:
         """Launches a batch and queues it for the completion thread; a batch that fails to launch
         is split as `_settle` does."""
@@ -365,24 +302,21 @@ class Batcher:
     def _complete(self) -> None:
         while True:
             item = self._launched.get()
+            if item is _STOP:
+                return
+            batch, launched, started = item
+            device_ms = None
             try:
-                if item is _STOP:
-                    return
-                batch, launched, started = item
-                device_ms = None
-                try:
-                    results = launched.finish()
-                    if len(results) != len(batch):
-                        raise RuntimeError(f"the policy returned {len(results)} results for {len(batch)} requests")
-                    device_ms = results[0].timings.get("device_ms")
-                except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
-                    self._failed(batch, error)
-                else:
-                    self._answer(batch, results, started)
-                finally:
-                    self.clock.finished(self._shape(batch), device_ms)
+                results = launched.finish()
+                if len(results) != len(batch):
+                    raise RuntimeError(f"the policy returned {len(results)} results for {len(batch)} requests")
+                device_ms = results[0].timings.get("device_ms")
+            except Exception as error:  # noqa: BLE001 - the worker must survive anything one batch does
+                self._failed(batch, error)
+            else:
+                self._answer(batch, results, started)
             finally:
-                self._launched.task_done()
+                self.clock.finished(self._shape(batch), device_ms)
 
     def _failed(self, batch: list[_Pending], error: Exception) -> None:
         if len(batch) > 1:

@@ -4,9 +4,8 @@ A server imports ~1,500 modules, most of them torch's. Python runs each from its
 (`__pycache__/*.pyc`) when there is one and compiles it from source otherwise. pip writes the bytecode
 at install; uv does not unless asked (`--compile-bytecode`), and with PYTHONDONTWRITEBYTECODE=1, common
 in container images, Python never writes what it compiled: then every start compiles the same modules
-again. On an H100 host whose torch had no bytecode, with that variable set (run 222), the server's
-imports took 4.3 s of CPU instead of 2.4, and with an empty compile cache each compile worker, a
-process that imports torch, paid it too: first action 18.4 s against 14.7 with the bytecode written.
+again: the server's imports took nearly twice the CPU time, and with an empty compile cache each compile
+worker, a process that imports torch, paid it too, seconds on the way to the first action.
 `vlaserve warmup` writes it; `vlaserve serve` says when it is missing.
 """
 

@@ -283,7 +283,7 @@ def log_startup(policy, options: dict) -> None:
     missing, imported = imported_without_bytecode()
     if len(missing) >= WARN_AT_MODULES:
         log.warning("%d of the %d Python modules this start imported have no bytecode (%s), so every start compiles "
-                    "them again (~2 s of CPU for torch's alone on an H100 host): `vlaserve warmup` writes it on a GPU "
+                    "them again (seconds of CPU for torch's alone): `vlaserve warmup` writes it on a GPU "
                     "host, `python -m compileall` on the environment's site-packages anywhere",
                     len(missing), imported, "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode
                     else "their directories are not writable")

@@ -119,7 +119,6 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 WARMUP_MODES = ("blocking", "background")
 GRAPH_BATCHES = ("all", "ladder")
-CAPTURE_WARMUPS = ("per_kernel", "on_new_kernel", "per_graph")
 GEMM_LIBRARIES = ("cublas", "quack")
 ATTENTION_LIBRARIES = ("triton", "fa4")
 PRECISIONS = ("bf16", "fp8", "fp8+expert")
@@ -139,9 +138,10 @@ def prompt_lengths(buckets: tuple[int, ...], max_token_len: int) -> tuple[int, .
     return tuple(sorted({*buckets, max_token_len}))
 
 
-def _option(default, metavar: str, help: str):
-    """A RuntimeConfig field that is also a `vlaserve serve` option and a --config key."""
-    return field(default=default, metadata={"metavar": metavar, "help": help})
+def _option(default, metavar: str | None, help: str, flag: bool = True):
+    """A RuntimeConfig field that is a --config key and, unless `flag` is False, also a `vlaserve serve`
+    option (the fp8 gate's inputs are read from the config file only: the command line stays short)."""
+    return field(default=default, metadata={"metavar": metavar, "help": help, "flag": flag})
 
 
 @dataclass(frozen=True)
@@ -157,32 +157,27 @@ class RuntimeConfig:
     warmup: str = _option("background", "MODE", "CUDA: background (ready once batch 1's first CUDA graphs are "
                                                 "captured, the rest captured while serving) or blocking (ready "
                                                 "once every one is)")
-    capture_warmups: str = _option("on_new_kernel", "MODE", "CUDA: warm-up runs before the graph captures: "
-                                                            "on_new_kernel (a capture goes first; its warm-up runs "
-                                                            "only if it meets a kernel not loaded yet), per_kernel "
-                                                            "(one per kernel signature) or per_graph (two before "
-                                                            "every graph; the older way, to compare)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
-                                                           "runai-streamer (pip install 'vlaserve[runai]')")
+                                                           "runai-streamer (pip install -e '.[runai]')")
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
     prompt_buckets: tuple[int, ...] | str = _option(
         "auto", "L1,L2", "pad prompts only to the smallest of these token lengths that fits, as 48,96; auto: on "
                          "CUDA's fast path half the checkpoint's prompt length, else none; none: always the "
-                         "checkpoint's length (speed; docs/gpu.md)")
+                         "checkpoint's length (speed; docs/gpu.md)", flag=False)
     tokenizer: str | None = _option(None, "PATH", "tokenizer directory or file, when the checkpoint has none")
     graph_batches: str = _option("all", "SIZES", "CUDA graphs captured at startup: all (every batch size up to "
                                                  "the limit) or ladder (1, 2, 4, 8: other sizes run padded to the "
                                                  "next; less graph memory)")
     gemm_library: str = _option("cublas", "LIBRARY", "CUDA, batch 2 and up: cublas, or quack (CuTe DSL) for the prefix's "
                                                       "and SigLIP's GEMMs where it is faster, with their GeGLU / GELU in "
-                                                      "the epilogue: the same bits (Hopper+, pip install 'vlaserve[cute]'; "
+                                                      "the epilogue: the same bits (Hopper+, pip install -e '.[cute]'; "
                                                       "docs/gpu.md)")
     attention_library: str = _option("triton", "LIBRARY", "CUDA: the prefix's attention through triton (ours), or fa4 "
                                                            "(FlashAttention-4, CuTe DSL; faster from batch 1, most at 8; "
-                                                           "Hopper+, pip install 'vlaserve[cute]'; docs/gpu.md)")
+                                                           "Hopper+, pip install -e '.[cute]'; docs/gpu.md)")
     capture_while_loading: bool = _option(True, None, "compile and capture batch 1's first CUDA graphs while the "
                                           "weights load (CUDA, background warm-up, bf16 precision: the engine starts "
-                                          "on parameters not filled yet; serving waits for both)")
+                                          "on parameters not filled yet; serving waits for both)", flag=False)
     compile_cache: str | None = _option(None, "DIR", "CUDA: keep compiled kernels here between starts, in a "
                                                      "subdirectory per GPU and CUDA, torch, Triton and vlaserve "
                                                      "version (default: $TRITON_CACHE_DIR if set, else "
@@ -191,23 +186,17 @@ class RuntimeConfig:
                                              "linear layers in e4m3, gated at startup: docs/gpu.md) or fp8+expert "
                                              "(the action expert's too)")
     precision_gate: str = _option("enforce", "MODE", "fp8: enforce (refuse to start when the accuracy gate fails) "
-                                                     "or warn (log the failing figures and serve)")
+                                                     "or warn (log the failing figures and serve)", flag=False)
     precision_scales: str | None = _option(None, "FILE", "fp8: static activation scales from `vlaserve calibrate` "
-                                                         "(default: per-token scales, no calibration)")
+                                                         "(default: per-token scales, no calibration)", flag=False)
     precision_observations: str | None = _option(None, "DIR", "fp8: the gate's held-out observations, one .npz per "
-                                                              "observation (default: synthetic ones)")
+                                                              "observation (default: synthetic ones)", flag=False)
     gripper_dims: tuple[int, ...] | str = _option((), "I,J", "action dimensions that are grippers: the fp8 gate "
-                                                             "refuses any sign disagreement on them")
+                                                             "refuses any sign disagreement on them", flag=False)
     action_groups: tuple | str = _option((), "NAME=I-J;...", "action groups the fp8 gate checks one by one, "
-                                                             "as arm=0-5;gripper=6")
+                                                             "as arm=0-5;gripper=6", flag=False)
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
-    # CUDA, an empty compile cache: each batch size's Triton kernels compiled together in worker processes
-    # before its warm-ups (runtime/fast/precompile.py); False: one by one as the warm-ups launch them.
-    parallel_compile: bool = True
-    # CUDA graphs: the memset nodes that cuDNN and cuBLASLt record replaced by fill kernels writing the same
-    # bytes (runtime/fast/memset_nodes.py: ~1.7 us less host time per node at every launch); False: kept.
-    graph_memset_kernels: bool = True
 
     def __post_init__(self):
         buckets = self.prompt_buckets
@@ -229,8 +218,6 @@ class RuntimeConfig:
             (self.memory_profile in PROFILES,
              f"memory_profile must be one of {', '.join(PROFILES)}, not {self.memory_profile!r}"),
             (self.warmup in WARMUP_MODES, f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}"),
-            (self.capture_warmups in CAPTURE_WARMUPS,
-             f"capture_warmups must be one of {', '.join(CAPTURE_WARMUPS)}, not {self.capture_warmups!r}"),
             (self.graph_batches in GRAPH_BATCHES,
              f"graph_batches must be one of {', '.join(GRAPH_BATCHES)}, not {self.graph_batches!r}"),
             (self.weights_loader in WEIGHT_LOADERS,
@@ -266,9 +253,8 @@ class RuntimeConfig:
         """The prompt buckets as given, or for "auto": where the fast path serves (CUDA, fast_path)
         one bucket at half the checkpoint's prompt length (rounded down to a multiple of 16), else
         none. The padding a bucket drops is masked, so actions change by float reassociation only
-        (run 55: max|Δ| vs fp32 as without); on CUDA its graphs are captured at warm-up, and a call
-        whose prompt fits runs a shorter prefix (ALOHA-3, 70 of 200 tokens: batch 1 15.7 -> 14.8 ms,
-        batch 8 79.8 -> 72.7, docs/benchmarks.md).
+        (max|Δ| vs fp32 as without); on CUDA its graphs are captured at warm-up, and a call whose prompt
+        fits runs a shorter prefix (docs/benchmarks.md).
         The eager model (a CPU, or fast_path=False) keeps the reference's shapes, where the golden
         cases compare every intermediate tensor."""
         if self.prompt_buckets != "auto":

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from .model.flow import euler_times, sinusoidal_time_embedding
 from .model.rtc import rtc_guidance_weight
-from .processing.prepare import model_images, to_device
+from .processing.prepare import model_images
+from .runtime.transfer import to_device
 
 # Bugs move these values by 1e-3 or more (golden README §3); independent float32
 # implementations agree to ~1e-6. 1e-5 sits between the two with margin on both sides.

@@ -77,7 +77,7 @@ def checkpoint_info(checkpoint: str | None, dtype: str, max_batch_size: int, tok
     except CheckpointError as e:
         info["tokenizer"], info["tokenizer_error"] = None, str(e)
     try:
-        info["normalization"] = load_normalization(directory).source
+        info["normalization"] = load_normalization(directory, config).source
     except CheckpointError as e:
         info["normalization"], info["normalization_error"] = None, str(e)
     entry = prefix_kv_bytes(config, torch_dtype.itemsize)

@@ -27,13 +27,6 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "log_requests": (bool, False, None, "log one INFO line per finished request: route, status, milliseconds"),
     "batch_delay_ms": (float, 0.0, "MS", "extra wait of a batch for company (0: a request runs as soon as the device "
                                          "is free, with everything queued meanwhile)"),
-    "serial_batches": (bool, False, None, "form the next batch only once the last is answered (default: enqueue it "
-                                          "on the device while the last one finishes; for measurement)"),
-    "keep_warm": (bool, True, None, "rehearse a lone robot's host path on its last frame 1-2 ms before its batch is "
-                                    "predicted to end, so its reply and next frame find that code warm"),
-    "direct_launch": (bool, True, None, "launch a lone request that would run at once (device idle, nothing queued, no "
-                                        "robot due back, every graph captured) from the thread that prepared it, "
-                                        "without waking the batcher's launch thread"),
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),
@@ -46,7 +39,7 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "drain_timeout_s": (float, 30.0, "S", "on SIGTERM/SIGINT, how long in-flight requests may take to finish"),
     "max_payload_mb": (float, 64.0, "MB", "largest request body or websocket message, in MiB"),
     "lerobot_port": (int, None, "PORT", "also serve LeRobot's robot_client (gRPC AsyncInference) on this port; "
-                                        "needs vlaserve[lerobot] (docs/lerobot.md)"),
+                                        "needs the lerobot extra (docs/lerobot.md)"),
 }
 
 def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
@@ -62,6 +55,8 @@ def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
 
 RUNTIME_OPTIONS = _runtime_options()
 SERVE_OPTIONS = {**SERVER_OPTIONS, **RUNTIME_OPTIONS}
+# Keys of the --config file that are no command-line flag (RuntimeConfig's `flag=False` fields).
+CONFIG_FILE_ONLY = frozenset(f.name for f in RuntimeConfig.options() if not f.metadata["flag"])
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 DEMO_HELP = "which built-in DEMO (tiny, random weights) to use without a checkpoint (default: pi05)"
 
@@ -78,9 +73,12 @@ def checkpoint_or_demo(checkpoint: str | None, demo: str | None) -> str:
 
 
 def add_options(parser: argparse.ArgumentParser, options: dict[str, tuple[type, object, str, str]]) -> None:
-    """One --flag per option (name -> type, default, metavar, help); booleans are switches: --name turns
-    one that is off by default on, --no-name one that is on by default off."""
+    """One --flag per option (name -> type, default, metavar, help), those of the config file only
+    left out; booleans are switches: --name turns one that is off by default on, --no-name one that is
+    on by default off."""
     for name, (kind, default, metavar, text) in options.items():
+        if name in CONFIG_FILE_ONLY:
+            continue
         flag = f"--{name.replace('_', '-')}"
         if kind is bool:
             if default:

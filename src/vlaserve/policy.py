@@ -26,6 +26,7 @@ from .runtime.fast.precompile import hash_triton_ahead
 from .runtime.fast.targets import require_fp8
 from .runtime.memory import check_before_loading
 from .runtime.runner import Runtime
+from .startup.engine import captures_while_loading, start
 from .types import InferenceResult, Observation, PreparedObservation, Request
 
 log = logging.getLogger(__name__)
@@ -92,26 +93,28 @@ class Policy:
             finish_queued(load_device)  # the copies' casts, queued behind the copy stream (graphs may be recording)
             mark("weights_s")
 
-        early = Runtime.captures_while_loading(settings, device)
+        early = captures_while_loading(settings, device)
         if early:
             # The engine first, on parameters not loaded yet: the graphs serving waits for are compiled and captured
             # while the weights arrive (the graphs read them where they land), and serving waits for them.
             runtime = Runtime(materialize(model, dtype, device, family.weights), config, settings, device, dtype,
-                              revision, progress=progress, weights_pending=True)
+                              revision)
+            startup = start(runtime, progress=progress, weights_pending=True)
             mark("engine_s")
             try:
                 load()
             except BaseException as e:
-                runtime.weights_failed(e)  # its capture thread stops
+                startup.weights_failed(e)  # its capture thread stops
                 raise
-            runtime.weights_loaded()
+            startup.weights_loaded()
             precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
             mark("precision_s")
         else:
             load()
             precision = apply_precision(model, directory, config, preprocessor, layout, load_device, settings)
             mark("precision_s")
-            runtime = Runtime(model, config, settings, device, dtype, revision, progress=progress)
+            runtime = Runtime(model, config, settings, device, dtype, revision)
+            start(runtime, progress=progress)
             mark("engine_s")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Loaded to the host (offload, a CPU device) the stage is host copies, no transfer: no throughput to report.
@@ -165,20 +168,10 @@ class Policy:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
         return self.preprocessor.prepare(request if isinstance(request, Request) else self.request(request))
 
-    def rehearse(self, request: Request) -> None:
-        """What `launch([request])` runs on the host before the device, and nothing on the device: the request
-        prepared and collated as a batch of one (the server's keep-warm, server/warm.py)."""
-        self.preprocessor.collate([request])
-
     def is_light(self, request: Request) -> bool:
         """Whether `prepare(request)` is cheap enough to run where latency matters (raw frames: no
         decode, no host resize)."""
         return self.preprocessor.is_light(request)
-
-    def launches_quickly(self, request: Request) -> bool:
-        """Whether `launch([request])` returns within a fraction of a millisecond, waiting for nothing:
-        what the batcher asks before launching a lone request on the event loop (Runtime.launches_quickly)."""
-        return self.runtime.launches_quickly(request.num_steps, request.cuda_graph)
 
     def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None,
               rtc: dict | None = None) -> InferenceResult:
@@ -210,7 +203,7 @@ class Policy:
         started = time.perf_counter()
         inputs, noise, rtc = self.preprocessor.collate(requests)
         prepared = time.perf_counter()
-        launched = self.runtime.launch(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
+        launched = self.runtime.enqueue(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
                                        requests[0].cuda_graph)
         return LaunchedBatch(self, requests, launched, (prepared - started) * 1e3)
 

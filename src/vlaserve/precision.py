@@ -32,8 +32,9 @@ from .config import PolicyConfig, RuntimeConfig
 from .errors import ConfigError
 from .model.fp8 import convert_to_fp8, fp8_targets, scales_for
 from .processing.layouts import KeyLayout
-from .processing.prepare import Preprocessor, to_device
+from .processing.prepare import Preprocessor
 from .runtime.runner import EagerRunner
+from .runtime.transfer import to_device
 from .types import Observation, Request
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ def actions_of(model, preprocessor: Preprocessor, layout: KeyLayout, config: Pol
             (config.action_horizon, config.model.max_action_dim)).astype(np.float32)
         requests = [Request.create(observation, noise, default_steps=config.num_inference_steps)]
         inputs, noise_t, _ = preprocessor.collate(requests)
-        actions, _ = runner.launch(to_device(inputs, device), noise_t.to(device), config.num_inference_steps)
+        actions, _ = runner.dispatch(to_device(inputs, device), noise_t.to(device), config.num_inference_steps)
         out.append(preprocessor.postprocess(actions.float().cpu().numpy(), requests)[0])
     return np.stack(out)
 

@@ -172,7 +172,7 @@ class PreparedObservation:
     noise: torch.Tensor  # [H, max_action_dim] float32: given, seeded or drawn
     rtc: "PreparedRtc | None"
     # Camera frames whose resize-with-pad runs on the device (slot, raw [3, H, W]: uint8, or float
-    # in [0, 1]); their slots in `images` hold a placeholder until then (processing.prepare.to_device).
+    # in [0, 1]); their slots in `images` hold a placeholder until then (runtime/transfer.py).
     pending: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
@@ -225,7 +225,7 @@ class ModelInputs:
     token_mask: torch.Tensor  # [B, L]
     state: torch.Tensor | None = None  # [B, max_state_dim] float32, normalized and zero-padded (Pi0); None: Pi0.5
     # Raw frames (item, slot, [3, H, W]: uint8, or float in [0, 1]) resized into `images` on the device
-    # (processing.prepare.to_device).
+    # (runtime/transfer.py).
     pending: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
     def vision_slots(self) -> int:
@@ -234,6 +234,20 @@ class ModelInputs:
         the device)."""
         present = self.image_masks.any(0).tolist()
         return len(present) - present[::-1].index(True) if any(present) else 0
+
+
+@dataclass
+class RTCGuidance:
+    """A batch's real-time chunking inputs (model/rtc.py guides the Euler steps with them): prev [B, H, A]
+    (model space, zero-padded), weights [B, H] per-timestep guidance weights (all zero for items without
+    RTC, which leaves them unguided exactly), max_weight [B]."""
+
+    prev: torch.Tensor
+    weights: torch.Tensor
+    max_weight: torch.Tensor
+
+    def to(self, device) -> "RTCGuidance":
+        return RTCGuidance(*(t.to(device, non_blocking=True) for t in (self.prev, self.weights, self.max_weight)))
 
 
 @dataclass

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from .gemma import GemmaPrefixLM, attention_bias
-from .rtc import RTCGuidance
+from ..types import RTCGuidance
+from .rtc import guide
 from .siglip import SiglipVision
 
 
@@ -101,7 +102,7 @@ class PaliGemmaFlowModel(nn.Module):
                 for name, value in (("x_t", x), ("v_t", v), (self.condition_name, cond)):
                     trace.setdefault(name, []).append(value)
             if rtc is not None:
-                v = rtc.guide(v, x, t)
+                v = guide(rtc, v, x, t)
                 if trace is not None:
                     trace.setdefault("v_guided", []).append(v)
             x = x + dt * v

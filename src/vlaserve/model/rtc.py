@@ -5,32 +5,18 @@ weight. Used by both families' Euler loop (model/flow.py) and by the fast path."
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 
 import torch
 
+from ..types import RTCGuidance
 
-@dataclass
-class RTCGuidance:
-    """Real-time chunking: pull the new chunk's start towards the previous chunk's left-over.
 
-    prev [B, H, A] (model space, zero-padded), weights [B, H] per-timestep guidance weights
-    (all zero for items without RTC, which leaves them unguided exactly), max_weight [B].
-    """
-
-    prev: torch.Tensor
-    weights: torch.Tensor
-    max_weight: torch.Tensor
-
-    def to(self, device) -> "RTCGuidance":
-        return RTCGuidance(*(t.to(device, non_blocking=True) for t in (self.prev, self.weights, self.max_weight)))
-
-    def guide(self, v: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
-        error = (self.prev - (x - t * v)) * self.weights[..., None]
-        # With flow matching's linear path, d(x - t·v)/dx is the identity when v is held fixed,
-        # so the vector-Jacobian product of the reference's autograd call is `error` itself.
-        return v - rtc_guidance_weight(t, self.max_weight)[:, None, None] * error
+def guide(rtc: RTCGuidance, v: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
+    """The velocity `v` at `x`, time t, pulled towards the previous chunk's left-over."""
+    error = (rtc.prev - (x - t * v)) * rtc.weights[..., None]
+    # With flow matching's linear path, d(x - t·v)/dx is the identity when v is held fixed,
+    # so the vector-Jacobian product of the reference's autograd call is `error` itself.
+    return v - rtc_guidance_weight(t, rtc.max_weight)[:, None, None] * error
 
 
 def rtc_guidance_weight(t: float, max_weight: torch.Tensor) -> torch.Tensor:
@@ -61,24 +47,3 @@ def guidance_table(times: list[float], max_weight: torch.Tensor) -> torch.Tensor
 def _guidance_column(times: tuple[float, ...], max_weight: float) -> torch.Tensor:
     weight = torch.tensor([max_weight], dtype=torch.float32)
     return torch.cat([rtc_guidance_weight(t, weight) for t in times])
-
-
-def rtc_prefix_weights(inference_delay: int, execution_horizon: int, horizon: int, schedule: str = "linear"):
-    """Per-timestep guidance weights [horizon] (the reference's prefix attention schedule)."""
-    start, end = min(inference_delay, execution_horizon), execution_horizon
-    w = torch.zeros(horizon)
-    if schedule == "zeros":
-        w[:start] = 1.0
-        return w
-    if schedule == "ones":
-        w[:end] = 1.0
-        return w
-    if schedule not in ("linear", "exp"):
-        raise ValueError(f"unknown RTC schedule {schedule!r} (linear, exp, ones, zeros)")
-    n = min(end, horizon) - start
-    ramp = torch.linspace(1, 0, n + 2)[1:-1] if end > start and n > 0 else torch.zeros(0)
-    if schedule == "exp":
-        ramp = ramp * torch.expm1(ramp).div(math.e - 1)
-    w[start : start + len(ramp)] = ramp
-    w[: min(start, horizon)] = 1.0
-    return w

@@ -29,7 +29,6 @@ from safetensors.numpy import load_file
 
 from ..config import PolicyConfig
 from ..errors import CheckpointError
-from ..family import load_policy_config
 from .normalize import MODES, Normalization, Normalizer, find_openpi_norm_stats, load_openpi_normalization
 from .steps import POSTPROCESSOR, PREPROCESSOR, Step, read_steps
 
@@ -133,10 +132,11 @@ class ProcessorPipeline:
         return self.relative_actions.to_absolute(actions, raw_states)
 
     @staticmethod
-    def load(checkpoint_dir: Path, config: PolicyConfig | None = None) -> "ProcessorPipeline":
+    def load(checkpoint_dir: Path, config: PolicyConfig) -> "ProcessorPipeline":
+        """The checkpoint's pipeline, checked against `config` (the policy's, from vlaserve.family)."""
         checkpoint_dir = Path(checkpoint_dir)
         if (checkpoint_dir / PREPROCESSOR).exists() or (checkpoint_dir / POSTPROCESSOR).exists():
-            return _load_lerobot(checkpoint_dir, config or load_policy_config(checkpoint_dir))
+            return _load_lerobot(checkpoint_dir, config)
         norm_stats = find_openpi_norm_stats(checkpoint_dir)
         if norm_stats is None:
             raise CheckpointError(f"{checkpoint_dir} has no normalization statistics "
@@ -257,6 +257,6 @@ def _relative_actions(pre: dict[str, Step], post: dict[str, Step], config: Polic
                                                       relative.config.get("action_names")))
 
 
-def load_normalization(checkpoint_dir: Path) -> Normalization:
+def load_normalization(checkpoint_dir: Path, config: PolicyConfig) -> Normalization:
     """The state and action normalization a checkpoint's processor files (or norm_stats.json) define."""
-    return ProcessorPipeline.load(checkpoint_dir).normalization
+    return ProcessorPipeline.load(checkpoint_dir, config).normalization

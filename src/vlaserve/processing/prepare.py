@@ -8,17 +8,16 @@ thread validates it, and the batch is only stacked afterwards.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
 
 import numpy as np
 import torch
 
 from ..config import PolicyConfig, prompt_lengths
 from ..errors import InvalidObservation, InvalidRequest
-from ..model.rtc import RTCGuidance, rtc_prefix_weights
-from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RtcOptions
+from ..types import EncodedImage, ModelInputs, PreparedObservation, PreparedRtc, Request, RTCGuidance, RtcOptions
 from .encoded import decode_image
-from .images import bytes_to_model_range, empty_image, finish_frame, place_frames, prepare_image
+from .images import bytes_to_model_range, empty_image, place_frames, prepare_image
 from .pipeline import ProcessorPipeline
 from .prompt import PromptTokenizer
 
@@ -100,8 +99,8 @@ class Preprocessor:
         return request.prepared
 
     def is_light(self, request: Request) -> bool:
-        """Whether preparing `request` costs the host only a fraction of a millisecond (three
-        224x224 frames: ~0.3 ms on an H200 server's CPU): every frame raw bytes (uint8), none to
+        """Whether preparing `request` costs the host only a fraction of a millisecond: every frame raw
+        bytes (uint8), none to
         decode (PNG, JPEG) or resize on the host."""
         side = self.config.image_resolution[0]
         return all(isinstance(image, np.ndarray) and image.dtype == np.uint8
@@ -160,7 +159,7 @@ class Preprocessor:
         if self.family.state_to_model:  # zero-padded after normalization, as the reference
             state = torch.zeros(len(prepared), self.config.max_state_dim)
             state[:, : self.config.state_dim] = torch.from_numpy(np.stack([p.normalized_state for p in prepared]))
-        # (Stacking into pinned memory instead, for one DMA up, made this stack 3.7x slower: run 35.)
+        # (Not stacked into pinned memory for one DMA up: that made this stack several times slower.)
         inputs = ModelInputs(_batched_frames(images), _batched([p.image_mask for p in prepared]), tokens,
                              token_mask, state, pending)
         noise = _batched([p.noise for p in prepared])
@@ -197,9 +196,8 @@ def model_images(prepared: PreparedObservation) -> torch.Tensor:
 def _stacked_frames(slots: list[torch.Tensor]) -> torch.Tensor:
     """The camera slots [3, S, S] as one [N, 3, S, S] tensor. Cameras send channels-last (HWC)
     frames, which reach here as channels-first views: stacked as they lie (a plain copy per frame)
-    and viewed channels-first, they are put in channels-first order on the device, by `to_device`;
-    a stack in channels-first order transposes on the host (3 frames of 224x224 on an H200 server's
-    CPU: 329 us against 25 at p50)."""
+    and viewed channels-first, they are put in channels-first order on the device (runtime/transfer.py);
+    a stack in channels-first order transposes on the host, an order of magnitude slower."""
     channels_last = [s.permute(1, 2, 0) for s in slots]
     if all(s.is_contiguous() for s in channels_last):
         return torch.stack(channels_last).permute(0, 3, 1, 2)
@@ -209,56 +207,36 @@ def _stacked_frames(slots: list[torch.Tensor]) -> torch.Tensor:
 def _batched_frames(images: list[torch.Tensor]) -> torch.Tensor:
     """The items' camera slots [N, 3, S, S] as one [B, N, 3, S, S] tensor. Stacked as they lie where every
     item's frames are channels-last (`_stacked_frames`): the same tensor, strides included, as a stack of
-    the channels-first views, but made by plain copies (8 items of 3 frames on the 2-core VM: 382 against
-    1030 us)."""
+    the channels-first views, but made by plain copies (a fraction of the transposing stack's time)."""
     channels_last = [im.permute(0, 2, 3, 1) for im in images]
     if len(images) > 1 and all(im.is_contiguous() for im in channels_last):
         return torch.stack(channels_last).permute(0, 1, 4, 2, 3)
     return _batched(images)
 
 
-def to_device(inputs: ModelInputs, device) -> ModelInputs:
-    """The batch on `device` (the eager runner's, and a fast-path batch cut into parts): `into_buffers`
-    into fresh contiguous tensors, so pending frames are resized there and uint8 images (kept as bytes
-    by `prepare`) become [-1, 1] floats there."""
-    fields = {"images": inputs.images, "image_masks": inputs.image_masks, "tokens": inputs.tokens,
-              "token_mask": inputs.token_mask}
-    if inputs.state is not None:
-        fields["state"] = inputs.state
-    moved = {name: torch.empty(t.shape, dtype=torch.float32 if name == "images" else t.dtype, device=device)
-             for name, t in fields.items()}
-    into_buffers(inputs, moved)
-    return ModelInputs(moved["images"], moved["image_masks"], moved["tokens"], moved["token_mask"], moved.get("state"))
-
-
-def into_buffers(inputs: ModelInputs, buffers: dict[str, torch.Tensor],
-                 bytes_in: Callable[[torch.Tensor], None] | None = None) -> None:
-    """The batch written into device buffers (a fast runner's static ones: `images` float32, `image_masks`,
-    `tokens`, `token_mask`, and `state` where the model takes one): each input copied up once into its
-    buffer, in the layout it has, and the bytes converted as they are written into `images` (a lone
-    request: 8 device operations, where moving it and then copying it into the buffers took 15); pending
-    frames resized there. Inputs already on the device are copied across the same way.
-
-    `bytes_in`: where the runtime has one for these buffers (the fast path's captured conversion), it takes
-    uint8 frames instead: their bytes up as they lie and their conversion into `images` replayed, the same
-    operations without launching each from the host."""
-    images = buffers["images"]
-    if inputs.images.dtype == torch.uint8 and bytes_in is not None:
-        bytes_in(inputs.images)
-    elif inputs.images.dtype == torch.uint8:
-        bytes_to_model_range(inputs.images.to(images.device, non_blocking=True), out=images)
-    else:
-        images.copy_(inputs.images, non_blocking=True)
-    for item, slot, frame in inputs.pending:
-        images[item, slot] = finish_frame(frame.to(images.device, non_blocking=True), images.shape[-1])
-    for name in ("image_masks", "tokens", "token_mask"):
-        buffers[name].copy_(getattr(inputs, name), non_blocking=True)
-    if inputs.state is not None:
-        buffers["state"].copy_(inputs.state, non_blocking=True)
-
-
 def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors stacked on a new batch dimension; one alone is a view, not copied: a lone robot's
-    request is where host time shows, and a fresh 0.45 MB image stack cost 0.2-0.5 ms on a CPU that
-    had been idle (bench_overlap, run 34). Nothing downstream writes into model inputs."""
+    request is where host time shows, and a fresh image stack costs a fraction of a millisecond on a CPU
+    that has been idle. Nothing downstream writes into model inputs."""
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def rtc_prefix_weights(inference_delay: int, execution_horizon: int, horizon: int, schedule: str = "linear"):
+    """Per-timestep guidance weights [horizon] (the reference's prefix attention schedule)."""
+    start, end = min(inference_delay, execution_horizon), execution_horizon
+    w = torch.zeros(horizon)
+    if schedule == "zeros":
+        w[:start] = 1.0
+        return w
+    if schedule == "ones":
+        w[:end] = 1.0
+        return w
+    if schedule not in ("linear", "exp"):
+        raise ValueError(f"unknown RTC schedule {schedule!r} (linear, exp, ones, zeros)")
+    n = min(end, horizon) - start
+    ramp = torch.linspace(1, 0, n + 2)[1:-1] if end > start and n > 0 else torch.zeros(0)
+    if schedule == "exp":
+        ramp = ramp * torch.expm1(ramp).div(math.e - 1)
+    w[start : start + len(ramp)] = ramp
+    w[: min(start, horizon)] = 1.0
+    return w

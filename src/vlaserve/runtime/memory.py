@@ -45,11 +45,9 @@ GIB = 2**30
 # (The CUDA context is outside the allocator and already missing from the free memory the check reads.)
 HEADROOM_BYTES = 768 * 2**20
 # The CUDA graphs' pool beyond the widest call the activations term models: a quarter of that call's
-# activations per prompt length captured. Set from the H200's measured buffers + graphs against the
-# modelled ones at batches 1..8 (full size, 3 cameras): 1.96 GiB against 1.71 (one prompt length, 40
-# graphs), ladder 1.57 against 1.31 (20 graphs), 2.19 against 1.71 (two prompt lengths, 80 graphs;
-# docs/benchmarks.md run 117): 0.25, 0.26 and 2 x 0.24 GiB over, with 1.02 GiB of activations at batch 8.
-# (A term per graph fits worse: the ladder's 20 graphs left as much over as the 40 of "all".)
+# activations per prompt length captured, fitted to measured buffers + graphs against the modelled ones at
+# batches 1..8 (full size, 3 cameras; docs/benchmarks.md). (A term per graph fits worse: the ladder's
+# graphs left as much over as the twice as many of "all".)
 GRAPH_POOL_PER_PROMPT_LENGTH = 0.25
 def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
@@ -171,7 +169,7 @@ def estimate_memory(shapes: Mapping[str, tuple[int, ...]], config: PolicyConfig,
     buffer_items = sum(sizes) if graphs else batch
     activations = batch * _activations_per_item(config, itemsize, graphs)
     # Per batch size and prompt length: a prefix graph per camera layout (none under offload, whose
-    # prefix runs outside graphs) and a denoise graph with and without RTC (runtime/fast/graphs.py).
+    # prefix runs outside graphs) and a denoise graph with and without RTC (runtime/graphs.py).
     per_shape = (0 if profile.offload else len(config.cameras)) + 2
     return MemoryEstimate(
         profile=profile.name, batch_size=batch, weights=device_bytes, offload_slots=slots,

@@ -18,7 +18,6 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidInput
 from ..types import Observation, Request
-from .bodies import NOT_IN_PLACE, decode_in_place
 from .codec import packb
 from .schema import ApiError, api_error, invalid, tensor_field
 from .replies import ms_since, policy_timing
@@ -81,19 +80,6 @@ def request_from_openpi(raw, service: Service) -> Request:
         raise api_error(e) from None
 
 
-def rehearse(frame: bytes, service: Service) -> bool:
-    """Keep-warm's rehearsal (server/warm.py) of what this socket runs on the event loop for a frame of
-    raw camera bytes: decoding it, building and preparing its request, encoding a reply; nothing of it
-    is kept, queued, counted or sent. (A frame decoded by a worker thread is not rehearsed here.)"""
-    raw = decode_in_place(frame)
-    if raw is NOT_IN_PLACE:
-        return False
-    result = service.rehearse_request(request_from_openpi(raw, service))
-    packb({"actions": result.actions, "server_timing": {"infer_ms": 0.0, "prev_total_ms": 0.0},
-           "policy_timing": policy_timing(result.timings)})
-    return True
-
-
 async def serve_openpi(websocket: WebSocket, service: Service) -> None:
     _log_transforms_warning()
     await OpenPISession(websocket, service).serve({**service.public_metadata(), "warnings": [TRANSFORMS_WARNING]})
@@ -114,8 +100,7 @@ class OpenPISession(FrameSession):
         request.client = id(self.websocket)
         decode_ms = ms_since(started)
         submitted = time.perf_counter()
-        result = await self.service.infer(request, in_request_body=False,
-                                          rehearsal=functools.partial(rehearse, frame, self.service))
+        result = await self.service.infer(request, in_request_body=False)
         return result, decode_ms, ms_since(submitted)
 
     async def send(self, answered: tuple, started: float) -> None:

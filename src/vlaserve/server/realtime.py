@@ -3,7 +3,6 @@ session going on after an error (the error is that frame's reply)."""
 
 from __future__ import annotations
 
-import functools
 import time
 
 from fastapi import WebSocket
@@ -27,8 +26,7 @@ class RealtimeSession(FrameSession):
     async def answer(self, body, frame: bytes, started: float) -> tuple[dict, int]:
         service = self.service
         generation, results, timings = await service.generate(
-            body, started, msgpack_response=True, client=id(self.websocket),
-            rehearsal=functools.partial(service.rehearse_generation, frame))
+            body, started, msgpack_response=True, client=id(self.websocket))
         # An all-failed batch keeps its envelope (each item's error); its status is the items'.
         return service.reply(generation, results, timings, started), failed_status(results)
 

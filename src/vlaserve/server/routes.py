@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 
 from fastapi import APIRouter, Request, WebSocket
@@ -100,8 +99,7 @@ async def generations(request: Request) -> Response:
     body = await decode(payload, fmt, service.workers)
     msgpack_response = reply_msgpack(request.headers.get("content-type"), request.headers.get("accept"))
     generation, results, timings = await service.generate(
-        body, started, msgpack_response, client=_connection(request),
-        rehearsal=functools.partial(service.rehearse_generation, payload) if fmt == "msgpack" else None)
+        body, started, msgpack_response, client=_connection(request))
     reply, status = service.http_reply(generation, results, timings, started)
     if status != 200:
         service.metrics.errors.labels(ROUTES["http"], reply["error"]["type"]).inc()

@@ -16,15 +16,12 @@ from ..errors import InvalidInput, NonFiniteActions, NotServing
 from ..processing.layouts import KeyLayout
 from ..types import InferenceResult, Request
 from .access import TICKET_LIFETIME_S, Access
-from .bodies import NOT_IN_PLACE, decode_in_place
-from .codec import packb
 from .metadata import public_metadata
 from .metrics import Metrics
 from .replies import HOST_STAGES, MODEL_STAGES, failed_status, ms_since, reply_body
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
 from .settings import ServerSettings
-from .warm import KeepWarm
 from .workers import Workers
 
 
@@ -49,12 +46,6 @@ class Service:
         self.batcher: Batcher | None = None
         self.workers: Workers | None = None
         self.sessions = Sessions()
-        self.keep_warm = KeepWarm(settings.keep_warm)
-        # What every rehearsal uses (server/warm.py): zero noise, and a result of zeros to encode as its reply.
-        self._zero_noise = np.zeros(policy.preprocessor.noise_shape, dtype=np.float32)
-        self._zero_result = InferenceResult(
-            np.zeros((m["action_horizon"], m["action_dim"]), dtype=np.float32), self._zero_noise,
-            {**{name: 0.0 for name in (*MODEL_STAGES, *HOST_STAGES)}, "batch_size": 1})
         # Where a websocket handshake is sent instead of being accepted here (a URL), or None to
         # accept it: serve-ray's direct websockets set this (fleet/direct.py).
         self.websocket_redirect: Callable[[Mapping], str | None] | None = None
@@ -64,11 +55,9 @@ class Service:
         self.workers = Workers(self.settings.worker_threads, self.settings.decode_processes, self.settings.max_pending)
         self.workers.start()
         self.batcher = Batcher(self.policy, self.batch_limit, self.settings.batch_delay_ms,
-                               on_batch=self.metrics.batch_size.observe, overlap=self.settings.overlap,
-                               direct_launch=self.settings.direct_launch)
+                               on_batch=self.metrics.batch_size.observe)
 
     def stop(self) -> None:
-        self.keep_warm.cancel()
         if self.batcher is not None:
             self.batcher.close()
         if self.workers is not None:
@@ -92,11 +81,8 @@ class Service:
         return self.policy.metadata  # live: fast path, prefix-cache stats and readiness change
 
     def public_metadata(self) -> dict:
-        """server.metadata's, with this server's keep-warm and direct-launch counts."""
-        return {**public_metadata(self.metadata, self.settings, self.batch_limit),
-                "keep_warm": self.keep_warm.stats(),
-                "direct_launch": {"enabled": self.settings.direct_launch,
-                                  "launches": self.batcher.direct_launches if self.batcher is not None else 0}}
+        """server.metadata's (SGLang's action.metadata structure, with vlaserve's own fields beside it)."""
+        return public_metadata(self.metadata, self.settings, self.batch_limit)
 
     async def prepare(self, requests: list, in_request_body: bool) -> list:
         """Checks each request against the checkpoint and preprocesses it, on worker threads: the
@@ -110,14 +96,12 @@ class Service:
         errors = {id(r): e for job, outcome in zip(jobs, done) for r, e in zip(job, outcome) if e is not None}
         return [api_error(errors[id(r)], in_request_body) if id(r) in errors else r for r in requests]
 
-    async def infer(self, request: Request, in_request_body: bool, rehearsal: Callable[[], bool] | None = None):
+    async def infer(self, request: Request, in_request_body: bool):
         """Prepares, queues and runs one request. Returns the InferenceResult; its timings hold
-        queue_ms and the model stages. `rehearsal`: the route's event-loop work for this request,
-        rehearsed with --keep-warm (server/warm.py) when all of it ran on the event loop."""
-        return (await self.infer_many([request], in_request_body, rehearsal=rehearsal))[0]
+        queue_ms and the model stages."""
+        return (await self.infer_many([request], in_request_body))[0]
 
-    async def infer_many(self, requests: list, in_request_body: bool, per_item_errors: bool = False,
-                         rehearsal: Callable[[], bool] | None = None) -> list:
+    async def infer_many(self, requests: list, in_request_body: bool, per_item_errors: bool = False) -> list:
         """Prepares, queues and runs requests (an ApiError in the list stands for an item already
         refused). The prepared ones are queued as one group, so B of them fill batches up to the
         batch limit (more than the limit: several batches). Returns one InferenceResult per request;
@@ -125,7 +109,7 @@ class Service:
         failure is raised."""
         started = time.perf_counter()
         try:
-            prepared, futures, prepared_at = await self._prepare_and_queue(requests, in_request_body, rehearsal)
+            prepared, futures, prepared_at = await self._prepare_and_queue(requests, in_request_body)
         except BatcherClosed as e:
             raise ApiError(503, "shutting_down", str(e)) from None
         ready = [r for r in prepared if isinstance(r, Request)]
@@ -133,7 +117,6 @@ class Service:
         if ready:
             with self.metrics.in_flight.track_inprogress():
                 done = await asyncio.gather(*futures, return_exceptions=True)
-            self.keep_warm.cancel()  # a rehearsal still pending now would only delay the answer, or the next frame
             outcomes = {id(r): outcome for r, outcome in zip(ready, done)}
         results = []
         for item in prepared:
@@ -149,13 +132,12 @@ class Service:
             self.metrics.first_action()
         return results
 
-    async def _prepare_and_queue(self, requests: list, in_request_body: bool,
-                                 rehearsal: Callable[[], bool] | None = None) -> tuple[list, list, float]:
+    async def _prepare_and_queue(self, requests: list, in_request_body: bool) -> tuple[list, list, float]:
         """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
         ones' futures, when preparing ended). A lone request of raw frames (a robot's) is prepared and
         queued right here; another lone one (PNG / JPEG to decode, frames to resize on the host) by
-        the worker that prepared it, without a hop back through the event loop first (135 us at p50
-        on an H200 server's CPU, 90 on a 2-core one: bench_prepare's hops)."""
+        the worker that prepared it, without a hop back through the event loop first (bench_prepare's
+        hops)."""
         todo = [r for r in requests if isinstance(r, Request)]
         if len(todo) != 1:
             prepared = await self.prepare(requests, in_request_body)
@@ -168,9 +150,6 @@ class Service:
             # hop to a worker and its wake-up. Robots sending at once still batch together: the
             # batcher waits for clients due back (batcher.COMPANY_WAIT_S).
             error, futures, prepared_at = _prepare_and_queue_one(*args)
-            if error is None and rehearsal is not None:  # this request's host path ran here, on the event loop
-                self.keep_warm.schedule(rehearsal, self.batcher.clock, (1, todo[0].num_steps, todo[0].cuda_graph),
-                                        prepared_at)
         else:
             error, futures, prepared_at = await self.workers.in_thread(_prepare_and_queue_one, *args)
         prepared = [api_error(error, in_request_body) if r is todo[0] and error is not None else r for r in requests]
@@ -193,19 +172,18 @@ class Service:
             raise outcome
         return ApiError(500, "internal_error", "inference failed; see the server log")  # the batcher logged it
 
-    async def generate(self, body, started: float, msgpack_response: bool, client: object = None,
-                       rehearsal: Callable[[], bool] | None = None) -> tuple[Generation, list, dict]:
+    async def generate(self, body, started: float, msgpack_response: bool,
+                       client: object = None) -> tuple[Generation, list, dict]:
         """Validates a /v1 request body and runs it. Returns the request, one InferenceResult per
         observation (an ApiError for an item of a batch that failed) and the timings so far (decode,
-        queue, model stages: a batch's slowest item's). `client`: the connection it came on;
-        `rehearsal`: as `infer`'s."""
+        queue, model stages: a batch's slowest item's). `client`: the connection it came on."""
         generation = parse_generation(body, self.identity, self.layout, msgpack_response, self.action_shape)
         for request in generation.requests:
             if isinstance(request, Request):
                 request.client = client
         timings = {"decode_ms": ms_since(started)}
         results = await self.infer_many(generation.requests, in_request_body=True,
-                                        per_item_errors=generation.batched, rehearsal=rehearsal)
+                                        per_item_errors=generation.batched)
         if generation.batched:  # each error names its observation
             results = [r.in_batch(i, len(results)) if isinstance(r, ApiError) else r for i, r in enumerate(results)]
         answered = [r for r in results if not isinstance(r, ApiError)]
@@ -231,26 +209,6 @@ class Service:
             first = results[0].body()["error"]
             body["error"] = {**first, "message": f"every observation of the batch failed; {first['message']}"}
         return body, status
-
-    def rehearse_request(self, request: Request) -> InferenceResult:
-        """The part of a keep-warm rehearsal (server/warm.py) every route shares: `request` prepared and collated
-        as a real one is (a lone robot's batch is collated on the event loop too: the batcher's direct launch), with
-        zero noise (no draw from any generator); returns a result of zeros to encode as its reply."""
-        request.noise, request.seed = self._zero_noise, None
-        self.policy.rehearse(request)
-        return self._zero_result
-
-    def rehearse_generation(self, payload: bytes) -> bool:
-        """Keep-warm's rehearsal of what a /v1 route runs on the event loop for a msgpack body of one
-        observation of raw frames: decoding, validating and preparing it, building and encoding its reply;
-        nothing of it is kept, queued, counted or sent. (A body decoded by a worker thread is not rehearsed.)"""
-        body = decode_in_place(payload)
-        if body is NOT_IN_PLACE:
-            return False
-        generation = parse_generation(body, self.identity, self.layout, True, self.action_shape)
-        result = self.rehearse_request(generation.requests[0])
-        packb(self.reply_body(generation, [result], {"decode_ms": 0.0, **result.timings}, time.perf_counter()))
-        return True
 
     def reply_body(self, generation: Generation, results: list, timings: dict, started: float) -> dict:
         return reply_body(generation, results, timings, started, self.identity)

@@ -24,10 +24,6 @@ class ServerSettings:
     worker_threads: int = 4
     decode_processes: int = 1
     max_pending: int = 64
-    # Enqueue the next batch on the device while this one runs (vlaserve/batcher.py); False: one at a time.
-    overlap: bool = True
-    keep_warm: bool = True  # server/warm.py
-    direct_launch: bool = True  # a lone request launched by the thread that prepared it (vlaserve/batcher.py)
 
     @classmethod
     def from_options(cls, options: Mapping) -> "ServerSettings":
@@ -36,6 +32,4 @@ class ServerSettings:
         return cls(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
                    batch_delay_ms=options["batch_delay_ms"],
                    camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
-                   allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()),
-                   overlap=not options["serial_batches"], keep_warm=options["keep_warm"],
-                   direct_launch=options["direct_launch"])
+                   allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()))

@@ -1,9 +1,8 @@
 """A captured CUDA graph's memset nodes replaced by kernel nodes that write the same bytes.
 
-cuDNN's SDPA kernels and cuBLASLt's split-K GEMMs record a small `cudaMemsetAsync` ahead of themselves: 44
-memset nodes in the batch-1 prefix graph (run 208). A graph launch costs the host ~1.6-1.9 us per memset node
-and next to nothing per kernel node (run 209, H200: a chain of 440 small kernels 29-42 us, with 44 memsets among
-them 110-113 us), and a lone robot's device waits for that launch. A fill kernel that stores the memset's value
+cuDNN's SDPA kernels and cuBLASLt's split-K GEMMs record a small `cudaMemsetAsync` ahead of themselves: dozens
+of memset nodes in the batch-1 prefix graph. A graph launch costs the host a microsecond or two per memset node
+and next to nothing per kernel node, and a lone robot's device waits for that launch. A fill kernel that stores the memset's value
 into the same elements leaves the same bytes for the node after it, so what the graph computes is unchanged.
 
 The graph is edited through the CUDA driver API (libcuda, loaded in every CUDA process) between its capture and
@@ -194,5 +193,4 @@ def memsets_as_kernels(graph: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(error: str) -> None:
-    log.warning("CUDA graphs keep their memset nodes (%s): each costs a launch ~1.7 us more of host time; "
-                "RuntimeConfig(graph_memset_kernels=False) stops trying", error)
+    log.warning("CUDA graphs keep their memset nodes (%s): each costs a launch more host time", error)

@@ -1,7 +1,7 @@
 """Compiling a call's Triton kernels in worker processes, all at once, before its warm-up runs.
 
 A warm-up compiles each kernel the first time it launches, one after another: with an empty compile
-cache batch 1's graphs waited ~20 s for it on an H200 (run 159), 0.3-1.5 s a kernel. Here the call
+cache batch 1's graphs waited tens of seconds for it, a fraction of a second to seconds a kernel. Here the call
 runs once with Triton's `jit_cache_hook` answering "skip" for every kernel not compiled yet: nothing
 of it launches, and its specialization (the argument types, alignments and constexprs its launch
 would compile for, in Triton's own serialized form) is recorded. Worker processes compile each
@@ -10,17 +10,16 @@ same key), from the moment it is recorded (`CompilePool.recorder`), and the warm
 them from there instead of compiling.
 
 Processes, not threads: Triton's front end is Python, so compile threads hold the interpreter lock
-for much of their time. On 15 threads batch 1's 27 kernels took 5.5 s, and the later batch sizes'
-compiles, beside serving, slowed every answer (p99 7.9x the p99 after, run 162; 5.8x with worker
-processes, run 166; at the lowest CPU priority batch 1's took 11.0 s instead of 6.9, run 167). A
-worker never touches the GPU: it compiles for the parent's target, which a stand-in driver reports
+for much of their time, and compiles beside serving slowed every answer (less so from worker
+processes; at the lowest CPU priority the compiles themselves took much longer). A worker never
+touches the GPU: it compiles for the parent's target, which a stand-in driver reports
 to Triton.
 
 The hook is process-wide; it records only on the thread inside `recording()`, and lets every other
 thread's launches compile as usual (a serving thread never launches a kernel that was skipped).
 The same hook also tells a graph capture whether every Triton kernel it records is loaded already
 (`loaded_kernels_only`), so a capture can go first and its warm-up run only when one is not
-(FastRunner.capture, `capture_warmups="on_new_kernel"`).
+(FastRunner.capture).
 
 Two more costs of a process's first kernels are taken off the path here: each worker builds the host
 launcher of what it compiles (`build_launcher`), and Triton's key of itself is hashed on a thread while
@@ -72,7 +71,7 @@ def hash_triton_ahead() -> threading.Thread:
     """Starts Triton's cache key of itself on a thread: a hash of its compiler's sources and of its
     ~500 MB library, which a process computes once (functools.lru_cache) the first time it looks a
     kernel up in the compile cache. That was the first warm-up's, on the way to the first action:
-    0.4-0.5 s of the capture thread on an H100 host (run 221, sampled). Started before the weights
+    about half a second of the capture thread. Started before the weights
     load, it is done long before: reading and hashing the library release the interpreter lock."""
     def run():
         try:
@@ -260,8 +259,8 @@ def _compile(module: str, name: str, specialization_data: str) -> tuple[float, s
 def build_launcher(compiled) -> None:
     """Builds a compiled kernel's host launcher into the compile cache, where the parent's first launch
     of it finds it. Triton 3.6 generates a C launcher for each kernel signature and compiles it with the
-    host's C compiler (~0.3 s) at that first launch: with an empty cache batch 1's warm-ups built ten,
-    3 s on the way to the first action (run 225, H100). Later Triton versions launch every kernel
+    host's C compiler (~0.3 s) at that first launch: with an empty cache batch 1's warm-ups built about
+    ten, seconds on the way to the first action. Later Triton versions launch every kernel
     through one prebuilt launcher and have none to build. Needs no GPU: the launcher only links
     against the CUDA driver library."""
     from triton.backends.nvidia import driver as nvidia

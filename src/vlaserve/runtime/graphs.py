@@ -3,41 +3,39 @@ them), one graph for the prefix (per batch size, prompt length and vision slots)
 Euler steps (per batch size, prompt length, step count and RTC on/off), replayed back to back with
 events between them.
 
-`FastRunner.launch` is: pick the buffers, copy the inputs in, replay (a batch size not captured
-for this shape runs as captured ones: padded or split, runtime/capture.py `route`; the offload
+`FastRunner.dispatch` is: pick the buffers, copy the inputs in, replay (a batch size not captured
+for this shape runs as captured ones: padded or split, runtime/graph_keys.py `route`; the offload
 profile's prefix runs the same kernels without a graph), and return without waiting; `sample` also
 waits, and copies the actions out. Which graphs are captured, and when, is the caller's
-(`capture`, one at a time, in runtime/capture.py's plan: RuntimeConfig.graph_sizes x prompt
+(`capture`, one at a time, in start-up's plan, startup/plan.py: RuntimeConfig.graph_sizes x prompt
 lengths x camera layouts x RTC).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ...config import PolicyConfig
-from ...model.pi05 import Pi05Model
-from ...model.rtc import RTCGuidance
-from ...processing.images import bytes_to_model_range
-from ...processing.prepare import into_buffers, to_device
-from ...types import ModelInputs
-from ..capture import GraphKey, capture_plan, route
-from ..prefix_cache import PrefixEntry
-from ..turns import DeviceTurns
-from .buffers import BufferSpec
-from .memset_nodes import memsets_as_kernels
-from .model import StaticRTC
-from .pi0 import FastPi0, fast_model
-from .precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
+from ..config import PolicyConfig
+from ..model.pi05 import Pi05Model
+from ..types import ModelInputs, RTCGuidance
+from .graph_keys import GraphKey, route
+from .prefix_cache import PrefixEntry
+from .transfer import BytesIn, into_buffers, to_device
+from .fast.buffers import BufferSpec
+from .fast.memset_nodes import memsets_as_kernels
+from .fast.model import StaticRTC
+from .fast.pi0 import FastPi0, fast_model
+from .fast.precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
 
 # A warm-up runs the Euler loop for this many steps, not the call's: every step launches the same
 # kernel specializations except the first and the last (Pi0.5's fused action step with and without
 # the next step's input), so two steps compile and load everything the call's ten do
 # (tests/test_gpu_targets.py checks it for every batch size, both families, with and without RTC)
-# at a fifth of the host work: ~0.12 s a warm-up on an H200 (run 182).
+# at a fifth of the host work.
 WARMUP_STEPS = 2
 
 
@@ -57,54 +55,24 @@ class _Graph:
     handed every cached block back to the driver for the next batch and warm-up to allocate
     anew; the runtime empties the cache once, when the plan is done (runtime/runner.py)."""
 
-    def __init__(self, fn, pool, stream: torch.cuda.Stream, memset_kernels: bool = True):
-        # memset_kernels: the libraries' memset nodes replaced by fill kernels before instantiation
-        # (memset_nodes.py: the same bytes, a cheaper launch); the capture is kept until then.
-        self.graph = torch.cuda.CUDAGraph(keep_graph=memset_kernels)
+    def __init__(self, fn, pool, stream: torch.cuda.Stream):
+        # The libraries' memset nodes are replaced by fill kernels before instantiation (memset_nodes.py:
+        # the same bytes, a cheaper launch), so the capture is kept until then.
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.stream(stream):
             self.graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 self.output = fn()
             finally:
                 self.graph.capture_end()
-        self.memsets_replaced = self.memsets_left = 0
-        self.edit_s = 0.0
-        if memset_kernels:
-            started = time.perf_counter()
-            self.memsets_replaced, self.memsets_left = memsets_as_kernels(self.graph.raw_cuda_graph())
-            self.edit_s = time.perf_counter() - started
-            self.graph.instantiate()  # (what capture_end does for a graph it does not keep)
+        started = time.perf_counter()
+        self.memsets_replaced, self.memsets_left = memsets_as_kernels(self.graph.raw_cuda_graph())
+        self.edit_s = time.perf_counter() - started
+        self.graph.instantiate()  # (what capture_end does for a graph it does not keep)
 
     def replay(self):
         self.graph.replay()
         return self.output
-
-
-class _BytesIn:
-    """A batch size's uint8 frames into its static buffers: copied up as they lie into `image_bytes`
-    (channels-last, as robots send them: one plain copy), and `bytes_to_model_range` into `images` replayed
-    from a graph instead of launched from the host on a fresh device tensor (a lone call's `into_buffers` 152-162
-    -> 105-115 us on an H100 host, run 250). The same operations on the same bytes: the same values."""
-
-    def __init__(self, buf: dict, new_graph):
-        self.pixels = self.pixels_of(buf)
-        self.graph = new_graph(self.conversion(buf))
-
-    @staticmethod
-    def pixels_of(buf: dict) -> torch.Tensor:
-        """The byte buffer viewed as `images` is laid out: [B, N, 3, S, S]."""
-        return buf["image_bytes"].permute(0, 1, 4, 2, 3)
-
-    @staticmethod
-    def conversion(buf: dict):
-        def run():
-            bytes_to_model_range(_BytesIn.pixels_of(buf), out=buf["images"])
-
-        return run
-
-    def __call__(self, frames: torch.Tensor) -> None:
-        self.pixels.copy_(frames, non_blocking=True)
-        self.graph.replay()
 
 
 @dataclass(frozen=True)
@@ -143,36 +111,45 @@ class PartTimes:
         return {"prefix_ms": prefix, "denoise_ms": total - prefix, **gap}
 
 
+class _OwnTurns:
+    """A runner's device turns where no start-up hands it its own (benchmarks, tests): a lock, taken at once."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+
+    def warm_up(self):
+        return self.lock
+
+
 class FastRunner:
     """Runs batches through the fast path (FastPi05, or FastPi0): fused weights, Triton kernels, CUDA graphs.
 
     With a `layer_stream` (offload) the prefix runs the same kernels outside graphs, as its weights
     arrive layer by layer; the Euler steps stay in graphs.
 
-    `capture` takes one graph of a plan (runtime/capture.py) at a time, beside serving: its warm-up
+    `capture` takes one graph of a plan (startup/plan.py) at a time, beside serving: its warm-up
     runs on scratch buffers of the same shapes (never on the static buffers a served graph reads),
-    once per kernel signature (`warmups="per_graph"`: twice before every graph, the older way,
-    kept to compare), holding the device when `turns` allows; the recording holds nothing. From the first `capture` on the
+    only where the capture meets a kernel not loaded yet, holding the device when `turns` allows;
+    the recording holds nothing. From the first `capture` on the
     request path never captures: a batch whose graphs are not captured (yet) runs on captured
     sizes of its shape (`route`: padded, or split), and only a shape with none runs without graphs
     (counted in `uncaptured_calls`).
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
-                 turns: DeviceTurns | None = None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton", warmups: str = "on_new_kernel", memset_kernels: bool = True):
-        # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph");
-        # memset_kernels: RuntimeConfig.graph_memset_kernels
+                 turns=None, layer_stream=None, gemm_library: str = "cublas",
+                 attention_library: str = "triton"):
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = self.fast.device
-        self.use_graphs, self.warmups = use_graphs, warmups
+        self.use_graphs = use_graphs
         self.gemm_library, self.attention_library = gemm_library, attention_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._capture_stream = torch.cuda.Stream() if use_graphs else None
-        self._turns = turns if turns is not None else DeviceTurns()  # the device lock, and when a warm-up takes it
+        # The device lock, and when a warm-up takes it: start-up's (startup/turns.py), else the runner's own lock.
+        self._turns = turns if turns is not None else _OwnTurns()
         self._buffers: dict[tuple, dict] = {}
         self._scratch: dict[tuple, object] = {}  # warm-up buffers of the batch size being captured
         self._scratch_batch = 0
@@ -180,15 +157,15 @@ class FastRunner:
         self._vision_attention_warmed: set[int] = set()  # image counts SigLIP's attention ran at
         self._rtc: dict[tuple, StaticRTC] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
-        self._bytes_in: dict[int, _BytesIn] = {}  # per batch size, captured after its first prefix graph
+        self._bytes_in: dict[int, BytesIn] = {}  # per batch size, captured after its first prefix graph
         self._denoise_graphs: dict[tuple, _Graph] = {}
         self.frozen = False  # captures only through `capture` (a plan), never on the request path
         self.captures = 0
-        self.warm_ups_skipped = 0  # signatures captured first, every kernel loaded (warmups="on_new_kernel")
-        # Whether the libraries' memset nodes are made fill kernels (`memset_kernels`), how many were in the
-        # graphs captured, those no fill kernel covers, and the seconds the edits took.
-        self.memset_nodes = {"enabled": memset_kernels, "replaced": 0, "left": 0, "edit_s": 0.0}
-        self.request_path_captures = 0  # captures inside `launch` (a runner without a plan)
+        self.warm_ups_skipped = 0  # signatures captured first, every kernel loaded
+        # The libraries' memset nodes made fill kernels in the graphs captured, those no fill kernel
+        # covers, and the seconds the edits took.
+        self.memset_nodes = {"replaced": 0, "left": 0, "edit_s": 0.0}
+        self.request_path_captures = 0  # captures inside `dispatch` (a runner without a plan)
         self.uncaptured_calls = 0
         self.padded_calls = 0  # batches run padded to a larger captured size (`route`)
         self.split_calls = 0  # batches run as several captured sizes while graphs are being captured
@@ -229,7 +206,7 @@ class FastRunner:
 
     def _new_graph(self, fn) -> _Graph:
         edited = self.memset_nodes
-        graph = _Graph(fn, self._pool, self._capture_stream, edited["enabled"])
+        graph = _Graph(fn, self._pool, self._capture_stream)
         edited["replaced"] += graph.memsets_replaced
         edited["left"] += graph.memsets_left
         edited["edit_s"] += graph.edit_s
@@ -292,19 +269,19 @@ class FastRunner:
         once per batch size, length and RTC, WARMUP_STEPS of them) runs on scratch buffers, so a graph served
         meanwhile never reads half-written inputs, and takes the device (`turns.warm_up`: the device lock, when
         serving leaves room): no batch is launched while a kernel compiles or loads (with warm-ups outside the
-        lock, the first H200 test of serving beside captures stalled: run 150). The recording, on the static
+        lock, serving beside captures stalled). The recording, on the static
         buffers, runs nothing and holds nothing (`_Graph`): served batches launch meanwhile. A batch size's
         scratch buffers go when the plan moves to another size.
 
-        The graph enters its store, where `launch` finds it, once it can be replayed; its shape's static buffers
+        The graph enters its store, where `dispatch` finds it, once it can be replayed; its shape's static buffers
         are made here before that, so serving, which reaches a shape only through a stored graph, never makes
         them at the same time.
 
-        `warmups="on_new_kernel"`: a signature's capture goes first, and its warm-up runs only if the capture
+        After the first warm-up a signature's capture goes first, and its warm-up runs only if the capture
         meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of
-        it ran). Of the default plan's 48 signatures (ALOHA-3, sm90 table) 39 launch no kernel an earlier one
-        did not (`1bb9efb:bench/probes/warm_up_signatures.py`); what a warm-up does besides loading kernels
-        (library handles, the capture stream's workspaces) the first one does, and it always runs."""
+        it ran): most of a plan's signatures launch no kernel an earlier one did not. What a warm-up does
+        besides loading kernels (library handles, the capture stream's workspaces) the first one does, and it
+        always runs."""
         self.frozen = True
         self._sizes.add(key.batch)
         if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
@@ -320,7 +297,7 @@ class FastRunner:
 
         if key.is_prefix:
             self._warm_vision_attention(b * key.slots)
-        runs = 2 if self.warmups == "per_graph" else int(signature not in self._warmed)
+        runs = int(signature not in self._warmed)
         graph = None
         if runs and self._captures_first():
             attempt = time.perf_counter()
@@ -337,20 +314,19 @@ class FastRunner:
             self._bytes_in[b] = self._capture_bytes_in(b, length, num_steps)
         return warmed - started, time.perf_counter() - warmed
 
-    def _capture_bytes_in(self, b: int, length: int, num_steps: int) -> _BytesIn:
-        """Batch size b's `_BytesIn`; the first one's conversion runs once before, on scratch buffers, to load
+    def _capture_bytes_in(self, b: int, length: int, num_steps: int) -> BytesIn:
+        """Batch size b's `BytesIn`; the first one's conversion runs once before, on scratch buffers, to load
         torch's kernels outside a capture (every batch size launches the same three: one dtype, one layout)."""
         if not self._bytes_in:
             scratch = self._scratch_of(b, length, num_steps)[0]
             with self._turns.warm_up():
-                self._warm_up(_BytesIn.conversion(scratch), 1)
-        return _BytesIn(self.buffers(b, length), self._new_graph)
+                self._warm_up(BytesIn.conversion(scratch), 1)
+        return BytesIn(self.buffers(b, length), self._new_graph)
 
     def _captures_first(self) -> bool:
-        """Whether a capture may go before its warm-up: with `on_new_kernel`, once a warm-up has run, and
-        only with Triton's and cuBLAS's kernels (a CuTe library compiles per shape, unseen by Triton)."""
-        return (self.warmups == "on_new_kernel" and bool(self._warmed) and self.gemm_library == "cublas"
-                and self.attention_library == "triton")
+        """Whether a capture may go before its warm-up: once a warm-up has run, and only with Triton's and
+        cuBLAS's kernels (a CuTe library compiles per shape, unseen by Triton)."""
+        return bool(self._warmed) and self.gemm_library == "cublas" and self.attention_library == "triton"
 
     def _capture_if_loaded(self, fn) -> _Graph | None:
         """The graph of `fn`, or None if it launches a Triton kernel not loaded in this process yet
@@ -366,19 +342,15 @@ class FastRunner:
         """SigLIP's attention at this image count, once, before the first capture that calls it. A
         camera layout's prefix warms up at the plan's first layout only (the same kernels), but torch's
         scaled_dot_product_attention, meeting a shape inside a capture with no eager call at it
-        before, took ~2.4 ms a call there (27 a prefix: 0.07-0.10 s of a fewer-camera graph's
-        capture, at every prompt length; run 183). The 32 fewer-camera graphs, warm-ups and captures
-        together, with it and without (runs 185 / 186): 1.65 / 2.17 s with 16 robots sending, 1.59 /
-        1.70 s with none."""
+        before, is slow there (milliseconds a call, 27 calls a prefix, at every prompt length)."""
         if images not in self._vision_attention_warmed:
             with self._turns.warm_up():
                 self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
             self._vision_attention_warmed.add(images)
 
     def _warm_up_call(self, key: GraphKey, num_steps: int):
-        """The call a warm-up of `key` runs: on scratch buffers, with WARMUP_STEPS Euler steps (every
-        step under the older "per_graph")."""
-        steps = num_steps if self.warmups == "per_graph" else min(num_steps, WARMUP_STEPS)
+        """The call a warm-up of `key` runs: on scratch buffers, with WARMUP_STEPS Euler steps."""
+        steps = min(num_steps, WARMUP_STEPS)
         return self._call_of(key, steps)[3](*self._scratch_of(key.batch, key.length, steps))
 
     def _call_of(self, key: GraphKey, num_steps: int):
@@ -453,19 +425,19 @@ class FastRunner:
 
     def sample(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None):
-        """`launch`, waited for: (model-space actions [B, H, A] on the device, a copy the next call
+        """`dispatch`, waited for: (model-space actions [B, H, A] on the device, a copy the next call
         leaves alone; {prefix_ms, denoise_ms})."""
-        out, times = self.launch(inputs, noise, num_steps, rtc, prefix, vision_slots)
+        out, times = self.dispatch(inputs, noise, num_steps, rtc, prefix, vision_slots)
         stages = times.read()
         return out.clone(), stages
 
     @torch.no_grad()
-    def launch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
+    def dispatch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None, graphs: bool = True):
         """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
         next call overwrites in stream order; its stage times). Nothing here waits for the device.
 
-        `inputs`, `noise`: on the host (Runtime.launch: each goes up once, into its static buffer) or
+        `inputs`, `noise`: on the host (Runtime.enqueue: each goes up once, into its static buffer) or
         the device. `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP).
         `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor
@@ -479,15 +451,15 @@ class FastRunner:
             captured = self.captured_sizes(token_len, vision_slots, num_steps, rtc is not None, prefix is None)
             parts = route(b, captured) or parts  # none: run as it is (uncaptured, counted)
         if parts == [(b, b)]:
-            out, times = self._launch(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
+            out, times = self._dispatch_one(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
             self._last_rows = [(self._last, i) for i in range(b)]
             return out, times
         # Cut into parts and padded on the device (a padded batch repeats rows of every input: on the
         # host, a transposing copy of its frames), its pending frames placed first.
         inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
-        return self._launch_parts(parts, inputs, noise, num_steps, rtc, prefix, vision_slots)
+        return self._dispatch_parts(parts, inputs, noise, num_steps, rtc, prefix, vision_slots)
 
-    def _launch_parts(self, parts: list[tuple[int, int]], inputs, noise, num_steps, rtc, prefix, vision_slots):
+    def _dispatch_parts(self, parts: list[tuple[int, int]], inputs, noise, num_steps, rtc, prefix, vision_slots):
         """One batch as several calls of captured sizes, the last padded where `route` says; their
         actions gathered into one [B, H, A] tensor in the items' order."""
         self.padded_calls += any(rows < size for size, rows in parts)
@@ -497,7 +469,7 @@ class FastRunner:
             part = _rows(slice(first, first + rows), inputs, noise, rtc, prefix)
             if rows < size:  # the batch's last item repeated: its rows are computed and dropped
                 part = _padded(size, *part)
-            part_out, part_times = self._launch(*part[:2], num_steps, part[2], part[3], vision_slots, True)
+            part_out, part_times = self._dispatch_one(*part[:2], num_steps, part[2], part[3], vision_slots, True)
             if out is None:
                 out = torch.empty((inputs.tokens.shape[0], *part_out.shape[1:]), dtype=part_out.dtype,
                                   device=part_out.device)
@@ -514,7 +486,7 @@ class FastRunner:
     def _events(self):
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
-    def _launch(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs):
+    def _dispatch_one(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs):
         b, token_len = inputs.tokens.shape
         buf = self.buffers(b, token_len)
         if prefix is None:
@@ -550,13 +522,6 @@ class FastRunner:
         """Item i's prefix K/V from the last call, as a cache entry (copies: the buffers are reused)."""
         row = self._last_rows[i]
         return row if isinstance(row, PrefixEntry) else self._entry(*row)
-
-    def warmup(self, batch_sizes=(1,), num_steps: int = 10, token_lens: tuple[int, ...] | None = None) -> None:
-        """Captures every graph of `batch_sizes` x `token_lens` (config.prompt_lengths; default the
-        checkpoint's) x camera layouts x RTC on/off, in `capture_plan`'s order, here and now."""
-        for key in capture_plan(tuple(batch_sizes), tuple(token_lens or (self.config.max_token_len,)),
-                                len(self.config.cameras)):
-            self.capture(key, num_steps)
 
 
 def _rows(rows: slice, inputs: ModelInputs, noise, rtc: RTCGuidance | None, prefix):

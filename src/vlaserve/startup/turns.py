@@ -1,12 +1,11 @@
-"""Whose turn the device is while CUDA graphs are captured beside serving.
+"""Whose turn the device is while start-up captures CUDA graphs beside serving.
 
 A graph's recording runs nothing on the device, and it is recorded in thread-local capture mode
-(fast/graphs.py `_Graph`): other threads may launch, query events and synchronize meanwhile, so a
+(runtime/graphs.py `_Graph`): other threads may launch, query events and synchronize meanwhile, so a
 recording needs no turn. A warm-up does: it runs a graph's kernels eagerly once, compiling or
-loading them, holding the device lock (runtime/runner.py), and a batch's launch waits for it. Left to
-the lock alone, the capture thread, which has just released it, took it again graph after graph, and
-a batch waited out ~3 of them (16 robots: 18 obs/s while capturing, p99 4.7x the p99 after; runs 153
-and 156, when recordings held the lock too). The rule here:
+loading them, holding the device lock (the runtime's), and a batch's launch waits for it. Left to the
+lock alone, the capture thread, which has just released it, took it again graph after graph, and a
+batch waited out several of them. The rule here:
 
 - serving goes first: no warm-up starts while a serving thread waits for the lock;
 - a warm-up starts beside a batch just launched (its host work overlaps that batch's device time),
@@ -14,11 +13,9 @@ and 156, when recordings held the lock too). The rule here:
 - bounded: after FIRST_S a warm-up starts anyway, so a fleet that never leaves a gap still gets
   every graph captured.
 
-With it (run 159, 16 robots, warm compile cache, recordings under the rule as well): 521 answers
-while capturing against 185, p99 2.0x the p99 after; the last graph 2.3 s later than without.
-
-Plain Python and threading: the runtime calls `launched` / `collected` around each batch, the runner
-takes the device for each warm-up through `warm_up()`, and serving threads take it through `serving()`.
+Plain Python and threading: start-up's gate (startup/engine.py) calls `enqueued` / `collected` around
+each batch and takes the device for a serving thread through `serving()`; the runner takes it for each
+warm-up through `warm_up()`. Once start-up is done the runtime's gate is the plain device lock.
 """
 
 from __future__ import annotations
@@ -30,11 +27,10 @@ import time
 
 class DeviceTurns:
     IDLE_S = 0.02  # above a robot's round trip from its answer to its next request (~5 ms)
-    FIRST_S = 0.5  # above a batch of 8 (~75 ms on an H200) and its warm-up, so the rule holds under load
+    FIRST_S = 0.5  # above a batch of 8 and its warm-up, so the rule holds under load
 
-    def __init__(self):
-        self.lock = threading.RLock()  # the device lock
-        self.capturing = False  # whether graphs are captured beside serving now (the runtime sets it with its state)
+    def __init__(self, lock: threading.RLock | None = None):
+        self.lock = lock if lock is not None else threading.RLock()  # the device lock (the runtime's)
         self._cond = threading.Condition()
         self._waiting = 0  # serving threads waiting for the lock
         self._in_flight = 0  # batches launched and not yet collected
@@ -44,12 +40,7 @@ class DeviceTurns:
 
     @contextlib.contextmanager
     def serving(self):
-        """The device lock for a serving thread, ahead of the next warm-up (once nothing is captured
-        any more, the plain lock: no bookkeeping on the hot path)."""
-        if not self.capturing:
-            with self.lock:
-                yield
-            return
+        """The device lock for a serving thread, ahead of the next warm-up."""
         with self._cond:
             self._waiting += 1
         try:
@@ -63,17 +54,13 @@ class DeviceTurns:
         finally:
             self.lock.release()
 
-    def launched(self) -> None:
-        if not self.capturing:
-            return
+    def enqueued(self) -> None:
         with self._cond:
             self._in_flight += 1
             self._launches += 1
             self._cond.notify_all()
 
     def collected(self) -> None:
-        if not self.capturing:
-            return
         with self._cond:
             self._in_flight = max(0, self._in_flight - 1)
             if not self._in_flight:
@@ -88,10 +75,7 @@ class DeviceTurns:
             yield
 
     def before_warm_up(self) -> None:
-        """Returns when the next warm-up may take the device (see the module docstring): at once where
-        no graphs are captured beside serving."""
-        if not self.capturing:
-            return
+        """Returns when the next warm-up may take the device (see the module docstring)."""
         with self._cond:
             deadline = time.perf_counter() + self.FIRST_S
             while True:
