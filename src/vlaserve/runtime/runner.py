@@ -231,7 +231,7 @@ class Runtime:
 
     def _start_fast_path(self, model: Pi05Model, target: Target, background: bool, weights_pending: bool) -> None:
         from .fast.graphs import FastRunner
-        from .fast.launch_tables import use_launch_table
+        from .fast.launch_tables import table_for
 
         cache = activate(self.settings.compile_cache, self.device)  # before any kernel compiles (TRITON_CACHE_DIR)
         # A cache without a single entry: every kernel is compiled, so a group's (the graphs serving
@@ -239,11 +239,11 @@ class Runtime:
         # warm-ups (fast/precompile.py, serve_while_capturing). With
         # some entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
         pool = CompilePool(compile_workers()) if self.settings.parallel_compile and is_empty(cache) else None
-        use_launch_table(target)
 
         fast = FastRunner(model, self.config, turns=self.turns, layer_stream=self.offload,
                           gemm_library=self.settings.gemm_library, attention_library=self.settings.attention_library,
-                          warmups=self.settings.capture_warmups, memset_kernels=self.settings.graph_memset_kernels)
+                          warmups=self.settings.capture_warmups, memset_kernels=self.settings.graph_memset_kernels,
+                          launch_table=table_for(target))
         lengths = prompt_lengths(self.settings.prompt_buckets, self.config.max_token_len)
         plan = capture_plan(self.settings.graph_sizes, lengths, len(self.config.cameras))
         if self.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only

@@ -12,7 +12,7 @@ the cast itself is exact: Triton's interpreter (the CPU tests) rounds fp8 casts 
 Where the kernel producing a GEMM's input can hold its row, it quantizes the row itself with the same
 rounding (kernel_code._quantize_row): the prefix's RMSNorm (kernels.residual_norm(quantize=True)), its
 GeGLU (`geglu_quantized`, below) and SigLIP's LayerNorm (kernels.residual_layer_norm(quantize=True));
-FastPi05.quantizing_producers says which do.
+backends.Fp8Gemm.quantizes says for which GEMMs.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ..capture import GraphKey, capture_plan, route
 from ..prefix_cache import PrefixEntry
 from ..turns import DeviceTurns
 from .buffers import BufferSpec
+from .launch_tables import SM90, LaunchTable
 from .memset_nodes import memsets_as_kernels
 from .model import StaticRTC
 from .pi0 import FastPi0, fast_model
@@ -160,11 +161,12 @@ class FastRunner:
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  turns: DeviceTurns | None = None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton", warmups: str = "on_new_kernel", memset_kernels: bool = True):
+                 attention_library: str = "triton", warmups: str = "on_new_kernel", memset_kernels: bool = True,
+                 launch_table: LaunchTable = SM90):
         # warmups: RuntimeConfig.capture_warmups ("on_new_kernel", its default, "per_kernel" or "per_graph");
         # memset_kernels: RuntimeConfig.graph_memset_kernels
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
-                               attention_library=attention_library)
+                               attention_library=attention_library, launch_table=launch_table)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = self.fast.device

@@ -93,6 +93,13 @@ def target_for(capability: tuple[int, int]) -> Target | None:
     return TARGETS[max(known)]
 
 
+def device_target(device: torch.device) -> Target | None:
+    """The matrix's entry for `device`'s GPU; None off CUDA or below sm80."""
+    if device.type != "cuda":
+        return None
+    return target_for(torch.cuda.get_device_capability(device))
+
+
 def choose_target(device: torch.device) -> Target | None:
     """The fast path's target for a CUDA device; None below sm80 (the eager model serves). Logs one
     line: the GPU, its capability and the path chosen."""
