@@ -13,8 +13,7 @@ follows each GEMM into the pass that reduces its partial sums:
 - action in/out: the fp32 projections between the expert and the Euler update, with the update
            (and real-time chunking's guidance) in between: one kernel per step
 Partial sums are written, not atomically added, so results are bit-reproducible. Every launch takes
-its configuration from a LaunchTable (launch_tables.py) passed in: the committed H200 table, SM90, by
-default.
+its configuration from a LaunchTable (launch_tables.py) passed in: the sm90 table by default.
 
 On Hopper the expert kernels are launched with programmatic dependent launch (PDL): kernel k+1 is
 launched and its programs placed on the SMs while kernel k runs; each waits
@@ -115,7 +114,7 @@ def batched_config(rows: int, table: LaunchTable = SM90) -> dict:
 def _launch(name: str, rows: int, columns: int, table: LaunchTable, programs: int = 128) -> tuple[dict, int]:
     """The launch config of GEMM family `name` for `rows` x `columns` outputs, and its rows per
     program. One row tile (batch 1) has its own tuned config; more rows take the "batched" table's
-    row tiles, and column tiles sized for about `programs` programs (one per SM of an H200's 132)
+    row tiles, and column tiles sized for about `programs` programs (one per SM of a 132-SM sm90 part)
     where its block_n is None."""
     single = table[name]
     if rows <= single["block_r"]:

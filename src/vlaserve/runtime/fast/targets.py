@@ -8,8 +8,8 @@ tma_enabled gate them; FP8 tensor cores from sm89 on, which precision fp8 needs)
 launch table the kernels take their tiles, warps and stages from.
 
 The launch tables themselves are in launch_tables.py (this module imports no Triton: the startup
-decision is made before the fast path loads). Measured only on an H200; every other target is
-compiled and resource-checked by tests/test_gpu_targets.py.
+decision is made before the fast path loads). docs/gpus.md says which targets were measured; every
+launch table is compiled and resource-checked by tests/test_gpu_targets.py.
 
 Below sm80 (no bf16 tensor cores) the fast path does not run: the eager model serves.
 """
