@@ -27,15 +27,22 @@ from .targets import Target
 from .weights import Fp8Weight
 
 
-class CublasGemm:
-    """x @ w^T (+ bias) through cuBLAS (F.linear), then our Triton pass for an activation after it."""
+class Backend:
+    """A library variant: its option value (`name`), where it runs (`supports`) and, for the error where it
+    does not, what it needs. The defaults run wherever the fast path does."""
 
-    name: ClassVar[str] = "cublas"
+    name: ClassVar[str]
     needs: ClassVar[str] = ""
 
     @classmethod
     def supports(cls, target: Target | None, dtype: torch.dtype, profile: str) -> bool:
         return True
+
+
+class CublasGemm(Backend):
+    """x @ w^T (+ bias) through cuBLAS (F.linear), then our Triton pass for an activation after it."""
+
+    name = "cublas"
 
     def linear(self, x, w, bias: torch.Tensor | None = None, gemm: str | None = None):
         """x @ w^T (+ bias); `gemm` names the projection ("prefix_qkv", ...: cute.FROM_ROWS's keys)."""
@@ -118,15 +125,10 @@ class Fp8Gemm(CublasGemm):
         return isinstance(w, Fp8Weight) and w.input_scale is None
 
 
-class TritonAttention:
+class TritonAttention(Backend):
     """The prefix's attention through kernels.mqa_attention, its masked keys as an fp32 bias."""
 
-    name: ClassVar[str] = "triton"
-    needs: ClassVar[str] = ""
-
-    @classmethod
-    def supports(cls, target: Target | None, dtype: torch.dtype, profile: str) -> bool:
-        return True
+    name = "triton"
 
     def __init__(self, table: LaunchTable):
         self.table = table

@@ -3,7 +3,7 @@
 kernels.py and fp8_kernels.py launch them (and say what each computes and why). They live apart, importing
 Triton but not torch, because a compile worker (fast/precompile.py) imports the module of each kernel it
 compiles: with the kernels beside their torch launchers, each worker of an empty-cache start would import
-torch before its first compile, which costs more than the compile.
+torch before its first compile, adding seconds to each worker's first compile.
 """
 
 from __future__ import annotations
