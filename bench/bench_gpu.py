@@ -209,19 +209,24 @@ LAUNCH_TABLE_TARGETS = {"sm80": 80, "sm89": 89, "sm90": 90, "sm100": 100}
 launch_table: str | None = None
 
 
+def served_table(device: str):
+    """The launch table the fast path runs with: --launch-table's, else the one start-up chooses for this GPU."""
+    from vlaserve.runtime.fast.launch_tables import table_for
+    from vlaserve.runtime.fast.targets import TARGETS, choose_target
+
+    return table_for(TARGETS[LAUNCH_TABLE_TARGETS[launch_table]] if launch_table else choose_target(torch.device(device)))
+
+
 def runners(model, policy_config, device: str, gemm_library: str, attention_library: str) -> dict:
     """The variants timed, the served one first: on CUDA the fast path with Triton kernels and
     graphs, with torch's kernels and graphs, with neither; on a CPU (--smoke) the eager runner."""
     if device != "cuda":
         return {"eager_runner": EagerRunner(model, torch.device(device))}
     from vlaserve.runtime.graphs import FastRunner
-    from vlaserve.runtime.fast.launch_tables import use_launch_table
-    from vlaserve.runtime.fast.targets import TARGETS, choose_target
-
-    use_launch_table(TARGETS[LAUNCH_TABLE_TARGETS[launch_table]] if launch_table else choose_target(torch.device(device)))
 
     return {"fast_triton_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=True,
-                                             gemm_library=gemm_library, attention_library=attention_library),
+                                             gemm_library=gemm_library, attention_library=attention_library,
+                                             launch_table=served_table(device)),
             "fast_torch_graphs": FastRunner(model, policy_config, use_graphs=True, use_triton=False),
             "fast_torch_nographs": FastRunner(model, policy_config, use_graphs=False, use_triton=False)}
 
@@ -456,83 +461,6 @@ def policy_wall_time(model, cfg, engine, device: str) -> dict:
                                                     for _ in range(max(1, TIMING["iters"] // 4))])}
 
 
-def tune_expert_kernels(model) -> dict:
-    """Sweeps the expert-step kernels' launch configs at the batch-1 shapes (graph-timed) and
-    keeps the fastest in kernels.TUNING for the rest of the run."""
-    import itertools
-
-    import triton.testing
-
-    from vlaserve.runtime.fast import kernels
-
-    e = model.expert.dims
-    r, w, mlp, d = HORIZON, e.width, e.mlp_dim, e.head_dim
-    hq = e.num_heads
-    dev, bf = "cuda", torch.bfloat16
-    x_w = torch.randn(r, w, device=dev, dtype=bf)
-    x_attn = torch.randn(r, hq * d, device=dev, dtype=bf)
-    x_act = torch.randn(r, mlp, device=dev, dtype=bf)
-    h = torch.randn(r, w, device=dev, dtype=bf)
-    # Every layer's weights in turn, as in a real step: a single layer's would sit in L2.
-    layers = model.expert.layers
-    w_qkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]) for l in layers]
-    w_gu = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in layers]
-    w_o = [l.self_attn.o_proj.weight for l in layers]
-    w_down = [l.mlp.down_proj.weight for l in layers]
-    gate, ones, zeros = torch.ones(w, device=dev, dtype=bf), torch.ones(w, device=dev), torch.zeros(w, device=dev)
-    cos, sin = torch.rand(r, d // 2, device=dev), torch.rand(r, d // 2, device=dev)
-    t = 1024
-    kc = [torch.randn(1, t, d, device=dev, dtype=bf) for _ in layers]
-    vc = [torch.randn(1, t, d, device=dev, dtype=bf) for _ in layers]
-    bias = torch.zeros(1, t, device=dev)
-    bias[:, 900:] = -2.3819763e38
-    q = torch.randn(1, hq * r, d, device=dev, dtype=bf)
-    n_layers = len(layers)
-
-    def bench(fn):
-        fn()
-        return triton.testing.do_bench_cudagraph(fn, rep=30) / n_layers
-
-    families = {
-        "splitk": ([{"block_r": 64, "block_n": bn, "block_k": bk, "max_waves": mw, "warps": 4, "stages": st}
-                    for bn, bk, mw, st in itertools.product((32, 64), (128, 256), (1, 2, 4), (3, 4))],
-                   lambda: [(kernels.linear_residual_norm(x_attn, wo, h, gate, ones, zeros, 1e-6),
-                             kernels.linear_residual_norm(x_act, wd, h, gate, ones, zeros, 1e-6))
-                            for wo, wd in zip(w_o, w_down)]),
-        "geglu": ([{"block_r": 64, "block_n": bn, "block_k": bk, "warps": 4, "stages": st}
-                   for bn, bk, st in itertools.product((16, 32), (64, 128, 256), (3, 4, 5))],
-                  lambda: [kernels.geglu_linear(x_w, wgu) for wgu in w_gu]),
-        "qkv": ([{"block_r": 64, "block_n": bn, "block_k": bk, "warps": wp, "stages": st}
-                 for bn, bk, wp, st in itertools.product((16, 32), (64, 128, 256), (4,), (3, 4, 5))],
-                lambda: [kernels.qkv_rope_into_cache(x_w, cos, sin, k[:, :r], v[:, :r], hq, r, w_qkv=wq)
-                         for wq, k, v in zip(w_qkv, kc, vc)]),
-        "attention": ([{"block_m": bm, "splits": sp, "block_t": bt, "warps": wp, "stages": 2}
-                       for bm, sp, bt, wp in [(16, 8, 64, 4), (16, 16, 64, 4), (32, 4, 64, 8), (32, 8, 64, 4),
-                                              (32, 8, 64, 8), (32, 16, 64, 4), (64, 8, 64, 8), (64, 16, 64, 8),
-                                              (64, 4, 128, 8), (128, 8, 64, 8)]],
-                      lambda: [kernels.mqa_attention(q, k, v, bias, hq, r, kernels.TUNING["attention"])
-                               for k, v in zip(kc, vc)]),
-    }
-    report = {}
-    for name, (configs, fn) in families.items():
-        default = dict(kernels.TUNING[name])
-        timed = []
-        for cfg in configs:
-            kernels.TUNING[name] = cfg
-            try:
-                timed.append((bench(fn) * 1e3, cfg))
-            except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
-                log(f"tune {name} {cfg}: {type(exc).__name__}")
-        kernels.TUNING[name] = default
-        default_us = bench(fn) * 1e3
-        best_us, best = min(timed, key=lambda tc: tc[0])
-        kernels.TUNING[name] = best if best_us < default_us else default
-        report[name] = {"default_us": default_us, "best_us": best_us, "best": best,
-                        "all": [{"us": us, **cfg} for us, cfg in sorted(timed, key=lambda tc: tc[0])]}
-        log(f"tune {name}: default {default_us:.2f} us -> best {best_us:.2f} us {best}")
-    return report
-
-
 def speed_options(engine, model, vocab: int, device: str) -> dict:
     """Options at batch 1: the exact prefix cache (hit vs miss), an absent camera."""
     inputs, noise = make_inputs(1, vocab, seed=123, device=device)
@@ -583,7 +511,6 @@ def main():
     ap = parser(__doc__)
     ap.add_argument("--lerobot", action="store_true", help="also run LeRobot 0.6.1 (needs its wheels)")
     ap.add_argument("--batches", default=None, help="batch sizes (default: 1,2,4,8; --smoke: 1)")
-    ap.add_argument("--tune", action="store_true", help="sweep the expert kernels' launch configs first")
     ap.add_argument("--gemm-library", default="cublas", choices=GEMM_LIBRARIES,
                     help="the Triton fast path's GEMM library (RuntimeConfig.gemm_library)")
     ap.add_argument("--attention-library", default="triton", choices=ATTENTION_LIBRARIES,
@@ -651,9 +578,6 @@ def main():
     cfg = model.config
     vocab = cfg.vlm.vocab_size
     log(f"model built ({time.time() - started:.0f}s); params", sum(p.numel() for p in model.parameters()))
-    if args.tune:
-        results["tuning"] = tune_expert_kernels(model)
-        save()
     flops = flops_per_call(model, CAMERAS, TOKENS, HORIZON, STEPS)
     results["flops"] = flops
     results["floor_ms_b1"] = math_floor_ms(flops, STEPS, results["ceilings"]["bf16_gemm_tflops"],
@@ -810,7 +734,8 @@ def fp8_section(model, model32, policy_config, served, batches, bucket: int, flo
     if device == "cuda":
         from vlaserve.runtime.graphs import FastRunner
 
-        engine = FastRunner(fp8_model, policy_config, attention_library=args.attention_library)
+        engine = FastRunner(fp8_model, policy_config, attention_library=args.attention_library,
+                            launch_table=served_table(device))
     else:
         engine = EagerRunner(fp8_model, torch.device(device))
     vocab = model.config.vlm.vocab_size
@@ -856,7 +781,6 @@ def fp8_section(model, model32, policy_config, served, batches, bucket: int, flo
 def profiles(results, served, model, policy_config, inputs, noise, timings, flops, args) -> None:
     """CUDA only: vision alone in its own graph, per-kernel profiles at batch 1 and 8 (with and
     without PDL), achieved rates and floors at batch 8."""
-    from vlaserve.runtime.fast import kernels
     from vlaserve.runtime.graphs import FastRunner
 
     g = torch.cuda.CUDAGraph()
@@ -879,14 +803,13 @@ def profiles(results, served, model, policy_config, inputs, noise, timings, flop
         results["floor_ms_b8_sustained"] = floor_ms_batched(flops, 8, STEPS, at_sustained(results["ceilings"]))
     # With PDL a kernel starts before its predecessor ends and waits: its time in the profile
     # includes that wait. The same graphs without PDL attribute time to kernels.
-    kernels.TUNING["pdl"] = False
+    table = served_table(device)
     plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library,
-                       attention_library=args.attention_library)
+                       attention_library=args.attention_library, launch_table=table.with_features(pdl=False, tma=table.tma))
     for b, (inp, noi) in ((1, (inputs, noise)), (8, (inputs8, noise8))):
         sample(plain, inp, noi)
         results[f"no_pdl_b{b}_p50_ms"] = time_ms(lambda: served_call(plain, inp, noi))["p50_ms"]
         results[f"profile_b{b}_no_pdl"] = profile_kernels(plain, inp, noi)
-    kernels.TUNING["pdl"] = None
     plain = None  # its graphs and buffers go before the cache is emptied
     torch.cuda.empty_cache()
 

@@ -145,6 +145,17 @@ def check_bench_ray(out: Path) -> None:
     assert set(r["ray_added_p50_ms"]) == {"metadata", "http_1step", "openpi"}
 
 
+def check_tune_launch_tables(out: Path) -> None:
+    r = result(out, "tune_launch_tables", png=True)
+    assert r["smoke"] and r["start"] == "sm90"
+    for family in ("splitk", "geglu", "qkv", "attention"):
+        f = r["families"][family]
+        # every candidate computed the starting config's function (a config's tiles cover every output)
+        assert f["kept"] == f["tried"] == 2 and f["default_us"] > 0, (family, f)
+        # the table written out holds the winner where it beat the starting config, else that config
+        assert r["table"][family] == (f["best"] if f["best_us"] < f["default_us"] else f["default"]), family
+
+
 def check_bench_encoded(out: Path) -> None:
     r = result(out, "bench_encoded", png=True)
     for size in ("224x224", "480x640"):
@@ -159,11 +170,11 @@ SMOKE = {
     "bench_gpu": check_bench_gpu, "bench_pi0_gpu": check_bench_pi0_gpu, "bf16_error": check_bf16_error,
     "bench_memory": check_bench_memory, "bench_serve": check_bench_serve, "bench_fleet": check_bench_fleet,
     "bench_rtc": check_bench_rtc, "bench_prepare": check_bench_prepare, "bench_overlap": check_bench_overlap,
-    "bench_ray": check_bench_ray, "bench_encoded": check_bench_encoded,
+    "bench_ray": check_bench_ray, "bench_encoded": check_bench_encoded, "tune_launch_tables": check_tune_launch_tables,
 }
 # Modules the scripts import, not scripts.
 LIBRARIES = {"common", "fleet_chaos", "fleet_model"}
-SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray"}
+SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray", "tune_launch_tables"}
 
 
 def test_every_benchmark_has_a_smoke_check():

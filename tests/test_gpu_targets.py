@@ -1,7 +1,8 @@
 """The support matrix's resource check, without any GPU: every Triton kernel of the fast path, at every
-launch configuration and batch size the runtime can choose, compiled for each target of
-runtime/fast/targets.py (Triton compiles for a GPUTarget with the bundled ptxas; nothing runs), and
-its shared memory, registers and threads per block held against that target's limits.
+launch configuration and batch size the runtime can choose, compiled once per launch table and the
+features it runs with (CHECKED: the targets that share both compile the same kernels), for the target
+standing for them (Triton compiles for a GPUTarget with the bundled ptxas; nothing runs), and its
+shared memory, registers and threads per block held against that target's limits.
 
 The launches are the ones kernels.py's wrappers make: each wrapper is called with meta tensors of
 the Pi0.5 / Pi0 shapes (no memory, no device) while the kernels are replaced by recorders, so the
@@ -13,7 +14,6 @@ divisibility: triton.runtime.jit's binder) and compiled.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import re
@@ -28,7 +28,7 @@ from vlaserve.config import GEMMA_VARIANTS, SIGLIP_SO400M_14, ModelConfig, Runti
 from vlaserve.family import load_policy_config
 from vlaserve.errors import ConfigError
 from vlaserve.runtime.fast import cute, flash, fp8_kernels, kernels, targets
-from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, use_launch_table
+from vlaserve.runtime.fast.launch_tables import LAUNCH_TABLES, SM90, LaunchTable, table_for
 from vlaserve.runtime.memory import GIB, MemoryEstimate, cuda_budget
 from vlaserve.runtime.runner import EagerRunner, Runtime
 from vlaserve.startup.engine import start
@@ -46,6 +46,20 @@ ACTION_DIM = 32
 # Prompt lengths: 1 to 3 cameras of 256 patches plus the 200-token prompt or its 96-token bucket.
 # No constexpr depends on the prefix length; the attention's key count is a runtime argument.
 PREFIX_LEN = 3 * VISION.num_patches + 200
+
+
+
+def _checked_targets() -> list[int]:
+    """One target per launch table and feature set (TMA, PDL): of those sharing both, the one with the
+    least shared memory a block, and with fp8 where any has it (its kernels are a superset)."""
+    groups: dict[tuple, list] = {}
+    for t in targets.TARGETS.values():
+        groups.setdefault((t.launch_table, t.tma, t.pdl), []).append(t)
+    chosen = [min(group, key=lambda t: (t.shared_per_block, not t.fp8, t.capability)) for group in groups.values()]
+    return sorted(t.capability for t in chosen)
+
+
+CHECKED = _checked_targets()
 
 
 # @triton.jit functions that only other kernels call
@@ -75,7 +89,7 @@ def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def expert_step(b: int) -> None:
+def expert_step(b: int, table: LaunchTable) -> None:
     """One Euler step's kernels at batch b, as FastPi05._expert_triton / FastPi0 call them."""
     r, w, hd, hq = b * HORIZON, EXPERT.width, EXPERT.head_dim, EXPERT.num_heads
     h, y = meta(r, w), meta(r, w)
@@ -85,33 +99,35 @@ def expert_step(b: int) -> None:
     k_cache, v_cache = meta(b, cache_len, hd), meta(b, cache_len, hd)
     tail = (k_cache[:, PREFIX_LEN:], v_cache[:, PREFIX_LEN:])
     for adaptive in (True, False):  # Pi0.5's AdaRMS (a shift), Pi0's plain RMS norm
-        kernels.residual_norm(h, scale, shift if adaptive else None, eps=1e-6)
+        kernels.residual_norm(h, scale, shift if adaptive else None, eps=1e-6, table=table)
         kernels.linear_residual_norm(meta(r, hq * hd), meta(w, hq * hd), h, gate, scale,
-                                     shift if adaptive else None, 1e-6)
-        kernels.residual_norm(h, scale, shift if adaptive else None, delta=meta(r, w), gate=gate, eps=1e-6)
-    if kernels.through_cublas("qkv", b):
-        q = kernels.qkv_rope_into_cache(meta(r, (hq + 2) * hd), cos, sin, *tail, hq, HORIZON)
+                                     shift if adaptive else None, 1e-6, table)
+        kernels.residual_norm(h, scale, shift if adaptive else None, delta=meta(r, w), gate=gate, eps=1e-6,
+                              table=table)
+    if kernels.through_cublas("qkv", b, table):
+        q = kernels.qkv_rope_into_cache(meta(r, (hq + 2) * hd), cos, sin, *tail, hq, HORIZON, table=table)
     else:
-        q = kernels.qkv_rope_into_cache(y, cos, sin, *tail, hq, HORIZON, w_qkv=meta((hq + 2) * hd, w))
+        q = kernels.qkv_rope_into_cache(y, cos, sin, *tail, hq, HORIZON, w_qkv=meta((hq + 2) * hd, w), table=table)
     kernels.mqa_attention(q, k_cache, v_cache, meta(b, cache_len, dtype=torch.float32), hq, HORIZON,
-                          kernels.attention_config(b))
-    if kernels.through_cublas("gate_up", b):
+                          kernels.attention_config(b, table), table)
+    if kernels.through_cublas("gate_up", b, table):
         kernels.geglu(meta(r, 2 * EXPERT.mlp_dim))
     else:
-        kernels.geglu_linear(y, meta(2 * EXPERT.mlp_dim, w))
-    kernels.linear_residual_norm(meta(r, EXPERT.mlp_dim), meta(w, EXPERT.mlp_dim), h, gate, scale, shift, 1e-6)
-    if r <= kernels.TUNING["action"]["max_rows"]:  # FastPi05._denoise_fused: first, middle, last steps
+        kernels.geglu_linear(y, meta(2 * EXPERT.mlp_dim, w), table)
+    kernels.linear_residual_norm(meta(r, EXPERT.mlp_dim), meta(w, EXPERT.mlp_dim), h, gate, scale, shift, 1e-6,
+                                 table)
+    if r <= table["action"]["max_rows"]:  # FastPi05._denoise_fused: first, middle, last steps
         x = meta(r, ACTION_DIM, dtype=torch.float32)
         w_in, b_in = meta(w, ACTION_DIM, dtype=torch.float32), meta(w, dtype=torch.float32)
         w_out, b_out = meta(ACTION_DIM, w, dtype=torch.float32), meta(ACTION_DIM, dtype=torch.float32)
         rtc = (x, meta(r, dtype=torch.float32), meta(b, dtype=torch.float32))
-        kernels.action_step(x, h, w_in, b_in)
+        kernels.action_step(x, h, w_in, b_in, table=table)
         for guidance in (None, rtc):
-            kernels.action_step(x, h, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance)
-            kernels.action_step(x, None, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance)
+            kernels.action_step(x, h, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance, table=table)
+            kernels.action_step(x, None, w_in, b_in, y, w_out, b_out, x, 0.1, 0.5, guidance, table=table)
 
 
-def prefix(b: int, fp8: bool) -> None:
+def prefix(b: int, fp8: bool, table: LaunchTable) -> None:
     """The prefix's Triton kernels at batch b, as FastPi05.vision / _prefix_triton call them (`fp8`: with
     precision fp8's too)."""
     p, w, hd, hq = b * PREFIX_LEN, VLM.width, VLM.head_dim, VLM.num_heads
@@ -121,24 +137,24 @@ def prefix(b: int, fp8: bool) -> None:
     kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, delta=v)
     kernels.gelu(meta(patches, VISION.mlp_dim))
     h = meta(p, w)
-    kernels.residual_norm(h, meta(w), eps=1e-6)
-    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6)
+    kernels.residual_norm(h, meta(w), eps=1e-6, table=table)
+    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6, table=table)
     cos, sin = meta(p, hd // 2, dtype=torch.float32), meta(p, hd // 2, dtype=torch.float32)
     k_cache, v_cache = meta(b, PREFIX_LEN + HORIZON, hd), meta(b, PREFIX_LEN + HORIZON, hd)
     kv = (k_cache[:, :PREFIX_LEN], v_cache[:, :PREFIX_LEN])
     slots = meta(p, dtype=torch.int32)
-    q = kernels.qkv_rope_into_cache(meta(p, (hq + 2) * hd), cos, sin, *kv, hq, PREFIX_LEN, slots=slots)
-    kernels.qkv_rope_into_cache(meta(p, 2 * hd), cos, sin, *kv, 0, PREFIX_LEN, slots=slots)  # the last layer
+    q = kernels.qkv_rope_into_cache(meta(p, (hq + 2) * hd), cos, sin, *kv, hq, PREFIX_LEN, slots=slots, table=table)
+    kernels.qkv_rope_into_cache(meta(p, 2 * hd), cos, sin, *kv, 0, PREFIX_LEN, slots=slots, table=table)  # last layer
     kernels.mqa_attention(q, *kv, meta(b, PREFIX_LEN, dtype=torch.float32), hq, PREFIX_LEN,
-                          kernels.prefix_attention_config(b))
+                          kernels.prefix_attention_config(b, table), table)
     kernels.geglu(meta(p, 2 * VLM.mlp_dim))
     if not fp8:
         return
     # precision fp8: the norms and the prefix's GeGLU quantizing their outputs for the fp8 GEMMs, and the
-    # quantizer kernel before the others (every GEMM input's width, for the producers switched off)
+    # quantizer kernel before the others (every GEMM input's width: static activation scales take it)
     kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, quantize=True)
     kernels.residual_layer_norm(v, meta(VISION.width), meta(VISION.width), 1e-6, delta=v, quantize=True)
-    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6, quantize=True)
+    kernels.residual_norm(h, meta(w), delta=meta(p, w), eps=1e-6, quantize=True, table=table)
     fp8_kernels.geglu_quantized(meta(p, 2 * VLM.mlp_dim))
     for rows, width in ((patches, VISION.width), (patches, VISION.mlp_dim), (p, w), (p, VLM.mlp_dim)):
         fp8_kernels.quantize_rows(meta(rows, width))
@@ -159,16 +175,11 @@ def recording_launches(recorded: list):
 def launches(target: targets.Target) -> list:
     """Every kernel launch of batches 1..8 under `target`'s launch table and features."""
     recorded: list = []
-    saved = copy.deepcopy(kernels.TUNING)
+    table = table_for(target)
     with recording_launches(recorded):
-        try:
-            use_launch_table(target)
-            for b in BATCHES:
-                expert_step(b)
-                prefix(b, target.fp8)
-        finally:
-            kernels.TUNING.clear()
-            kernels.TUNING.update(saved)
+        for b in BATCHES:
+            expert_step(b, table)
+            prefix(b, target.fp8, table)
     return recorded
 
 
@@ -249,8 +260,15 @@ def fresh_compiles(monkeypatch):
     monkeypatch.setattr(triton.knobs.nvidia, "dump_ptxas_log", True)
 
 
+def test_one_check_stands_for_each_launch_table_and_feature_set():
+    # sm87 compiles what sm80 does (the sm80 table, 163 KB), sm86 a subset of sm89's (no fp8), sm110 what
+    # sm100 does; sm120 runs the sm89 table with TMA and PDL: other kernels, so a check of its own.
+    assert CHECKED == [80, 89, 90, 100, 120]
+    assert {targets.TARGETS[c].launch_table for c in CHECKED} == set(LAUNCH_TABLES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", sorted(targets.TARGETS))
+@pytest.mark.parametrize("capability", CHECKED)
 def test_every_kernel_fits_every_target(capability, fresh_compiles):
     target = targets.TARGETS[capability]
     compiled = []
@@ -280,7 +298,7 @@ def reduction_layouts(launch: tuple, capability: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", sorted(c for c, t in targets.TARGETS.items() if t.fp8))
+@pytest.mark.parametrize("capability", [c for c in CHECKED if targets.TARGETS[c].fp8])
 def test_a_norm_that_quantizes_its_output_sums_in_its_bf16_twins_order(capability):
     """The norms that quantize their outputs for fp8 GEMMs (SigLIP's LayerNorm, the prefix's RMSNorm) must
     give the bits their bf16 kernels give before fp8_kernels.quantize_rows: their mean and variance summed
@@ -343,9 +361,9 @@ def test_every_launch_pins_fp_fusion(capability, monkeypatch):
 
 def test_the_h200_keeps_its_table_and_features():
     # Bit-identical actions on sm90 need the committed table and TMA + PDL exactly as before.
-    committed = {k: v for k, v in kernels.TUNING.items() if k not in ("pdl", "tma")}
-    assert committed == {k: v for k, v in LAUNCH_TABLES["sm90"].items() if k not in ("pdl", "tma")}
-    assert kernels.TUNING["pdl"] is None and kernels.TUNING["tma"] is None  # auto: on from sm90
+    assert LAUNCH_TABLES["sm90"] is SM90 and SM90.pdl is None and SM90.tma is None  # the default: auto, on from sm90
+    h200 = table_for(targets.TARGETS[90])
+    assert h200.configs is SM90.configs and h200.pdl is True and h200.tma is True
     assert targets.TARGETS[90].launch_table == "sm90"
     for cap in (90, 100, 110, 120):  # as kernels._hopper gates them: capability 9 or later
         assert targets.TARGETS[cap].tma and targets.TARGETS[cap].pdl
@@ -353,13 +371,14 @@ def test_the_h200_keeps_its_table_and_features():
         assert not targets.TARGETS[cap].tma and not targets.TARGETS[cap].pdl
 
 
-@pytest.fixture
-def tuning():
-    """Restores kernels.TUNING after a test that puts a target's table in use."""
-    saved = copy.deepcopy(kernels.TUNING)
-    yield
-    kernels.TUNING.clear()
-    kernels.TUNING.update(saved)
+def test_a_launch_table_cannot_be_assigned_into():
+    # One process may serve two GPUs' tables (or a bench try a config): none may rewrite another's.
+    with pytest.raises(TypeError):
+        SM90["splitk"]["stages"] = 2
+    with pytest.raises(TypeError):
+        SM90["batched"][65]["qkv"]["warps"] = 4
+    tried = SM90.with_configs(splitk={"stages": 2})
+    assert tried["splitk"]["stages"] == 2 and SM90["splitk"]["stages"] == 4 and tried["geglu"] == SM90["geglu"]
 
 
 def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
@@ -367,15 +386,15 @@ def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
 
-def test_startup_names_the_gpu_and_the_path(monkeypatch, caplog, tuning):
+def test_startup_names_the_gpu_and_the_path(monkeypatch, caplog):
     fake_gpu(monkeypatch, "NVIDIA GeForce RTX 4090", (8, 9))
     with caplog.at_level(logging.INFO, logger="vlaserve.runtime.fast.targets"):
         target = targets.choose_target(torch.device("cuda"))
     assert target is targets.TARGETS[89]
     assert caplog.messages == ["GPU NVIDIA GeForce RTX 4090 (sm_89): fast path, sm89 launch table, no TMA, no PDL"]
-    use_launch_table(target)  # what start-up does next, as it starts the fast path
-    assert kernels.TUNING["splitk"]["stages"] == 3 and kernels.TUNING["pdl"] is False and kernels.TUNING["tma"] is False
-    assert not kernels.pdl_enabled() and not kernels.tma_enabled()
+    table = table_for(target)  # what start-up hands the fast path next
+    assert table["splitk"]["stages"] == 3 and table.pdl is False and table.tma is False
+    assert not kernels.pdl_enabled(table) and not kernels.tma_enabled(table)
 
     caplog.clear()
     fake_gpu(monkeypatch, "NVIDIA Jetson AGX Orin", (8, 7))
@@ -447,7 +466,7 @@ def euler_compiles(model, b: int, steps: int, with_rtc: bool) -> set:
     recorded: list = []
     with recording_launches(recorded) as patch:
         patch.setattr(kernels, "available", lambda: True)
-        fast = fast_model(model)
+        fast = fast_model(model, launch_table=table_for(targets.TARGETS[90]))
         cache = -(-(PREFIX_LEN + HORIZON) // 64) * 64
         k_cache = meta(VLM.depth, b, cache, VLM.head_dim)
         rtc = StaticRTC.allocate(b, HORIZON, ACTION_DIM, steps, "meta") if with_rtc else None
@@ -462,7 +481,7 @@ def euler_compiles(model, b: int, steps: int, with_rtc: bool) -> set:
     return compiles
 
 
-def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
+def test_a_two_step_warm_up_compiles_every_kernel_of_the_call():
     """A capture's warm-up runs WARMUP_STEPS Euler steps, not the call's: it must launch every
     specialization the call launches (pointer alignments and integer divisibility from Triton's own
     binder; meta tensors' addresses carry their offsets), or the capture would compile inside the
@@ -472,7 +491,6 @@ def test_a_two_step_warm_up_compiles_every_kernel_of_the_call(tuning):
     from vlaserve.runtime.graphs import WARMUP_STEPS
 
     config = ModelConfig.full_size()
-    use_launch_table(targets.TARGETS[90])
     with torch.device("meta"):
         models = (Pi05Model(config), Pi0Model(config))
     for model in models:

@@ -24,10 +24,11 @@ from vlaserve.demo import random_model
 from vlaserve.config import GemmaDims, ModelConfig, VisionDims
 from vlaserve.model.rtc import RTCGuidance
 from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.launch_tables import SM90
 from vlaserve.runtime.fast.model import FastPi05, StaticRTC
 
 assert kernels.available() and kernels.interpreted()
-kernels.TUNING["tma"] = json.loads(sys.argv[2])  # the attention's loads: null = TMA (as on Hopper), false = pointers
+table = SM90.with_features(tma=json.loads(sys.argv[2]))  # the attention's loads: null = TMA (as on Hopper), false = pointers
 gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
 cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
 torch.manual_seed(0)
@@ -43,7 +44,7 @@ rtc_in = RTCGuidance(torch.randn(b, horizon, 32), torch.rand(b, horizon), torch.
 
 def run(dtype, use_triton, with_rtc):
     model = random_model(cfg, dtype, "cpu", seed=1, std=0.05)
-    fast = FastPi05(model, use_triton=use_triton)
+    fast = FastPi05(model, use_triton=use_triton, launch_table=table)
     assert fast.use_triton == use_triton
     plen = cams * 4 + tokens
     cache = -(-(plen + horizon) // 64) * 64
@@ -76,7 +77,7 @@ print(json.dumps(report))
 '''
 
 
-# Batch 1, 2, 4 and 8 take each launch-config regime of kernels.TUNING in turn: single row tiles;
+# Batch 1, 2, 4 and 8 take each launch-config regime of the sm90 launch table in turn: single row tiles;
 # the 65-, 200- and 400-row tables of the batched GEMMs; the attention configs of batch 1, 4 and 8;
 # the prefix attention's configs of batch 1 and from 2 on; and batch 2 once more with the attention's
 # tiles loaded through pointers instead of TMA descriptors (GPUs before Hopper).
@@ -100,8 +101,8 @@ def test_launch_tables_pick_the_entry_for_each_batch_size():
     # Each table applies from its key on (the largest key <= the batch, or <= the row count); below
     # the first key of "attention_batched", batch 1's config; below the first row key, the first entry.
     from vlaserve.runtime.fast import kernels
+    from vlaserve.runtime.fast.launch_tables import SM90 as t
 
-    t = kernels.TUNING
     assert kernels.attention_config(1) is t["attention"]
     assert kernels.attention_config(2) is t["attention_batched"][2] is kernels.attention_config(3)
     assert kernels.attention_config(4) is t["attention_batched"][4] is kernels.attention_config(7)
@@ -114,7 +115,7 @@ def test_launch_tables_pick_the_entry_for_each_batch_size():
 
 
 def test_expert_gemm_families_through_cublas_follow_their_table():
-    # Run 52's choice: qkv and gate_up through cuBLAS from batch 4; o and down always on ours.
+    # The sm90 table's choice: qkv and gate_up through cuBLAS from batch 4; o and down always on ours.
     from vlaserve.runtime.fast import kernels
 
     assert [kernels.through_cublas(f, 2) for f in kernels.EXPERT_GEMMS] == [False] * 4
@@ -128,6 +129,7 @@ ATTENTION_INPUTS = r'''
 import json
 import torch
 from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.launch_tables import SM90
 
 torch.manual_seed(0)
 # 14 folded queries (not a multiple of the query tile, nor of 4 or 8 merge rows) against 150 keys that
@@ -145,9 +147,9 @@ report = {}
 
 MERGE_SCRIPT = ATTENTION_INPUTS + r'''
 for rows in (1, 2, 4, 8):
-    kernels.TUNING["merge"] = {"rows": rows, "warps": 4}
     out = kernels.mqa_attention(q, k, v, bias, heads, tokens,
-                                {"block_m": 16, "splits": 4, "block_t": 32, "warps": 4, "stages": 2})
+                                {"block_m": 16, "splits": 4, "block_t": 32, "warps": 4, "stages": 2},
+                                SM90.with_configs(merge={"rows": rows, "warps": 4}))
     report[rows] = float((out.float() - ref).abs().max())
 print(json.dumps(report))
 '''
@@ -157,8 +159,7 @@ for splits in (1, 4):
     cfg = {"block_m": 16, "splits": splits, "block_t": 32, "warps": 4, "stages": 2}
     outs = {}
     for tma in (True, False):
-        kernels.TUNING["tma"] = tma
-        outs[tma] = kernels.mqa_attention(q, k, v, bias, heads, tokens, cfg)
+        outs[tma] = kernels.mqa_attention(q, k, v, bias, heads, tokens, cfg, SM90.with_features(tma=tma))
     report[splits] = {"equal": bool(torch.equal(outs[True], outs[False])),
                       "vs_fp32": float((outs[True].float() - ref).abs().max())}
 print(json.dumps(report))
@@ -199,6 +200,7 @@ import json
 import torch
 import torch.nn.functional as F
 from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.launch_tables import SM90
 
 torch.manual_seed(0)
 # 3 blocks of 2048 and a partial fourth (the mask), values across GELU's curved range and its tails
@@ -232,6 +234,7 @@ GEGLU = r'''
 import json
 import torch
 from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.launch_tables import SM90
 
 torch.manual_seed(0)
 # 3 rows of 2 x 1500 columns: M not a multiple of the kernel's 1024-column block

@@ -177,8 +177,8 @@ def tolerance(case: GoldenCase, name: str) -> float:
     """FLOAT_TOLERANCE, except for RTC's guided velocity v_used = v - g * (prev - (x - t * v)) * w
     (t, w <= 1, g <= the case's max guidance weight): its float32 error is up to (1 + g)|dv| + g|dx|,
     i.e. (1 + 2 g_max) times the ~1e-6 at which float32 implementations agree: 2.1e-5 at g_max = 10,
-    where the velocity itself agrees to ~1e-6 (measured: 7.6e-6 for Pi0.5, 1.14e-5 for Pi0 on an AMD
-    EPYC). Twice that bound, 4.2e-5, stays under the 1e-4 the golden READMEs cap tolerances at (section
+    where the velocity itself agrees to ~1e-6 (measured on the golden cases: 7.6e-6 for Pi0.5, 1.14e-5
+    for Pi0). Twice that bound, 4.2e-5, stays under the 1e-4 the golden READMEs cap tolerances at (section
     8) and 13x under the smallest bug they list (5.6e-4)."""
     if name == "trace.v_guided":
         return max(FLOAT_TOLERANCE, 2 * (1 + 2 * case.meta["rtc"]["max_guidance_weight"]) * FLOAT32_AGREEMENT)

@@ -56,8 +56,8 @@ def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
 
 
 # safetensors: each file mapped and read in ranges, with the read-ahead `vlaserve serve` starts before its imports.
-# runai-streamer: runai-model-streamer's parallel reads; on the H200 machine's local disk no faster
-# (1.7 GB/s both: docs/memory.md) and it bypasses the page cache, so it is opt-in.
+# runai-streamer: runai-model-streamer's parallel reads; on a local disk no faster (docs/memory.md)
+# and it bypasses the page cache, so it is opt-in.
 WEIGHT_LOADERS = ("safetensors", "runai-streamer")
 
 
@@ -91,8 +91,8 @@ class ReadAhead:
     itself. Failures are logged and ignored for the same reason."""
 
     CHUNK_BYTES = 16 * 2**20
-    # The H200 host's disk, 6.95 GB cold: 1.24 GB/s on one thread, 1.38 on 4, 1.68 on 16 (and 1.66 with
-    # 64 O_DIRECT readers: 16 is its ceiling; run 182). Idle threads cost nothing on a smaller host.
+    # A cold NVMe disk reads fastest with many requests in flight, and 16 reached the ceiling that 64
+    # O_DIRECT readers did (docs/memory.md). Idle threads cost nothing on a smaller host.
     THREADS = 16
 
     def __init__(self, files: list[Path], threads: int = THREADS):

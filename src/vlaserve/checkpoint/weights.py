@@ -284,8 +284,8 @@ def _read_runai(by_file: dict[Path, list[str]]):
 class StagedCopy:
     """Moves host bytes to the device through two pinned staging buffers: a CPU copy into one (torch spreads a
     large copy over the host's cores) while the other's copies to the device run on a stream of their own. A
-    pageable tensor's own `.to("cuda")` goes through the driver's small staging buffer on one thread: 2.8-4.1
-    GB/s for the full-size checkpoint on the H200 host (runs 182-183). A tensor stored in another dtype than its
+    pageable tensor's own `.to("cuda")` goes through the driver's small staging buffer on one thread, far below
+    the link's bandwidth (docs/memory.md). A tensor stored in another dtype than its
     parameter's arrives in a scratch tensor and is cast on the device (round to nearest even, as on the host: the
     same bits). To a CPU device a tensor is cast in place of a copy (staging buys nothing there) unless `staged`
     asks for the staged path anyway, with plain buffers and synchronous copies (how the CPU tests check it)."""

@@ -1,7 +1,7 @@
 """Websocket robots straight to their replica (serve-ray `direct_websockets`).
 
-Ray's proxy relays every websocket message to the replica and back: 3.4 ms per openpi-client call on
-the H200 host, 9-14 ms on two CPU cores (docs/benchmarks.md). With direct websockets a replica also
+Ray's proxy relays every websocket message to the replica and back, milliseconds per openpi-client call
+(docs/benchmarks.md). With direct websockets a replica also
 serves its own app on a port of its own, on its own event loop task, and a websocket handshake that
 arrives through the proxy is answered with a redirect there (HTTP 307; the `websockets` client that
 openpi-client and vlaserve_client use follows it, carrying a ticket for the API key it drops on the

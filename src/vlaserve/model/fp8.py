@@ -26,7 +26,7 @@ def scales_for(amax: torch.Tensor) -> torch.Tensor:
     scale represents zeros exactly, and dividing by 0 would make NaNs)."""
     amax = amax.float()
     # Divided by a tensor, not the Python number: CUDA torch multiplies by a scalar divisor's rounded
-    # reciprocal, 1 ulp off the quotient for some amax (H200, 2026-12-04), so a GPU's scales differed
+    # reciprocal, 1 ulp off the quotient for some amax, so a GPU's scales would differ
     # from a CPU's and from the fast path's Triton quantizer (correctly rounded division).
     return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 

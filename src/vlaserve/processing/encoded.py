@@ -2,7 +2,7 @@
 `data:image/...;base64,` URL).
 
 A request keeps the image as sent; `Policy.prepare` (on the server's worker threads, never the event
-loop: base64 of a 64 MB body is ~100 ms of CPU, and Pillow decodes with the GIL released) reads its
+loop: base64 of a large body is long CPU work, and Pillow decodes with the GIL released) reads its
 header first, so a decompression bomb or a stray byte string is refused before any pixel is
 allocated, then decodes it to an HxWx3 uint8 array that takes the same path as a raw one.
 

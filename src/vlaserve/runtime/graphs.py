@@ -26,6 +26,7 @@ from .graph_keys import GraphKey, route
 from .prefix_cache import PrefixEntry
 from .transfer import BytesIn, into_buffers, to_device
 from .fast.buffers import BufferSpec
+from .fast.launch_tables import SM90, LaunchTable
 from .fast.memset_nodes import memsets_as_kernels
 from .fast.model import StaticRTC
 from .fast.pi0 import FastPi0, fast_model
@@ -138,9 +139,9 @@ class FastRunner:
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
                  turns=None, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton"):
+                 attention_library: str = "triton", launch_table: LaunchTable = SM90):
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
-                               attention_library=attention_library)
+                               attention_library=attention_library, launch_table=launch_table)
         self.state_dim = model.max_state_dim if isinstance(self.fast, FastPi0) else 0
         self.model, self.config = model, config
         self.device = self.fast.device

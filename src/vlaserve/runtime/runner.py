@@ -215,8 +215,8 @@ class Runtime:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's
         images, tokens, noise), and run on several threads at once (workers, the batcher's); with
         the intra-op pool each is a parallel region whose barrier waits for all its team's threads,
-        and on a host with a thread spinning on the GPU a 1 ms prepare then stalled ~25 ms (runs
-        36-37). On a CPU device the pool stays: it runs the model."""
+        which stalls a short prepare many times over on a host with a thread spinning on the GPU. On a
+        CPU device the pool stays: it runs the model."""
         if self.device.type == "cuda" and torch.get_num_threads() != 1:
             log.info("torch host ops on 1 thread (was %d): the model runs on the GPU", torch.get_num_threads())
             torch.set_num_threads(1)

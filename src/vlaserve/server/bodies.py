@@ -11,11 +11,10 @@ from .codec import JSON_MEDIA_TYPE, DecodeError, OverBudget, is_msgpack, loads_j
 from .schema import ApiError
 from .workers import Workers
 
-# Decoding in place is cheaper than a hop to a worker (~100 us) while a body is small. A JSON body
-# costs per byte: 64 KiB is ~4 ms at worst. A msgpack body costs per object, not per byte (ndarrays
-# are views of the payload): a 3-camera body of 450 kB decodes in 40 us, 1 MiB of nested int lists
-# in 400 ms. So msgpack decodes in place up to 1 MiB and 1,024 maps and lists, else (stopping early)
-# in a thread.
+# Decoding in place is cheaper than a hop to a worker while a body is small. A JSON body costs per
+# byte; a msgpack body per object, not per byte (ndarrays are views of the payload: a 3-camera body
+# is a handful of objects, where nested int lists are millions). So msgpack decodes in place up to
+# 1 MiB and 1,024 maps and lists, else (stopping early) in a thread (bench_prepare.py measures both).
 INLINE_JSON_BYTES = 64 * 1024
 INLINE_MSGPACK_BYTES = 2**20
 INLINE_MSGPACK_CONTAINERS = 1024

@@ -160,7 +160,7 @@ class OverBudget(Exception):
 
 def _counted(hooks, budget: int):
     # A container counts 1, plus 1 per 256 items: numpy converts long number lists later, which
-    # costs per item (a flat list of 1M ints: 50 ms).
+    # costs per item.
     count = 0
 
     def wrap(hook):

@@ -15,7 +15,7 @@ MODEL_STAGES = ("preprocess_ms", "prefix_ms", "denoise_ms", "device_ms", "postpr
 # Where the host time around the device goes (OpenPI's policy_timing carries them too): checking and
 # preparing the request on a worker thread, waiting in the queue, the batch's whole run on the
 # inference thread, and the hand-back of its result to the event loop; and, for a batch launched
-# behind a running one, the device's time between the two (runtime/fast/graphs.py EventTimes).
+# behind a running one, the device's time between the two (runtime/graphs.py EventTimes).
 HOST_STAGES = ("prepare_ms", "queue_ms", "run_ms", "handback_ms", "launch_gap_ms")
 
 

@@ -136,8 +136,8 @@ class Service:
         """Prepares the requests and queues the prepared ones: (each request or its ApiError, the queued
         ones' futures, when preparing ended). A lone request of raw frames (a robot's) is prepared and
         queued right here; another lone one (PNG / JPEG to decode, frames to resize on the host) by
-        the worker that prepared it, without a hop back through the event loop first (bench_prepare's
-        hops)."""
+        the worker that prepared it, without a hop back through the event loop first (bench_prepare.py
+        measures the hops)."""
         todo = [r for r in requests if isinstance(r, Request)]
         if len(todo) != 1:
             prepared = await self.prepare(requests, in_request_body)
@@ -146,7 +146,7 @@ class Service:
             return prepared, self.batcher.submit_many(ready) if ready else [], prepared_at
         args = (self.policy, self.batcher, todo[0], asyncio.get_running_loop())
         if self.policy.is_light(todo[0]):
-            # Raw bytes (a robot's frame): prepared here, on the event loop (~0.3 ms), without the
+            # Raw bytes (a robot's frame): prepared here, on the event loop (a copy, no decode), without the
             # hop to a worker and its wake-up. Robots sending at once still batch together: the
             # batcher waits for clients due back (batcher.COMPANY_WAIT_S).
             error, futures, prepared_at = _prepare_and_queue_one(*args)

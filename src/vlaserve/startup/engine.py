@@ -71,18 +71,18 @@ def start(runtime: Runtime, progress: bool = False, weights_pending: bool = Fals
             raise ConfigError(f"attention_library {settings.attention_library!r} runs on the CUDA fast path only")
         return None
     from ..runtime.graphs import FastRunner
-    from ..runtime.fast.launch_tables import use_launch_table
+    from ..runtime.fast.launch_tables import table_for
 
     cache = activate(settings.compile_cache, device)  # before any kernel compiles (TRITON_CACHE_DIR)
     # A cache without a single entry: every kernel is compiled, so a group's (the graphs serving waits for,
     # then each batch size's) are compiled together in worker processes before its warm-ups. With some
     # entries, a warm-up's compiles are the few the cache lacks: one by one, as they run.
     pool = CompilePool(compile_workers()) if is_empty(cache) else None
-    use_launch_table(target)
     startup = Startup(runtime, progress)
     config = runtime.config
     fast = FastRunner(runtime.model, config, turns=startup.turns, layer_stream=runtime.offload,
-                      gemm_library=settings.gemm_library, attention_library=settings.attention_library)
+                      gemm_library=settings.gemm_library, attention_library=settings.attention_library,
+                      launch_table=table_for(target))
     lengths = prompt_lengths(settings.prompt_buckets, config.max_token_len)
     plan = capture_plan(settings.graph_sizes, lengths, len(config.cameras))
     if runtime.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only

@@ -2,18 +2,17 @@
 `--gemm-library quack`.
 
 The served default is cuBLAS for every GEMM, then our GeGLU / GELU pass over its bf16 output.
-quack's GEMM does the same products in the same order (bit-identical outputs, runs 102-104), and
-its epilogues here round where the eager path does:
+quack's GEMM does the same products in the same order (bit-identical outputs), and its epilogues
+here round where the eager path does:
 - the GEMM's output (+ bias) rounded to bf16, as cuBLAS stores it;
 - GELU (tanh form, with tanh as our Triton kernel takes it) rounded to bf16;
 - for the GeGLU, the product of that and the up half rounded to bf16 by the store.
-So no output element differs from the served path's or from torch's eager ops. Runs 105-107
-checked all 113M elements of a batch-8 gate/up layer, and 14M at batch 1; the pass's HBM round
-trip is gone (1154 against 1331 us a batch-8 layer on an H200).
+So no output element differs from the served path's or from torch's eager ops (checked on every
+element of a batch-8 and a batch-1 gate/up layer), and the pass's HBM round trip is gone.
 
 Each GEMM takes quack from the row count where it measured faster (FROM_ROWS); below that the
-default path runs unchanged, on the same weights. Needs `pip install 'vlaserve[cute]'` and a Hopper
-(or newer) GPU.
+default path runs unchanged, on the same weights (backends.QuackGemm). Needs `pip install
+'vlaserve[cute]'` and an sm90 / sm100 GPU.
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ from . import targets
 
 GEGLU, GELU = "vlaserve_geglu", "vlaserve_gelu"
 # The fewest rows (tokens of the whole batch) from which quack's kernel beat cuBLAS's (+ our pass),
-# at that batch size and every larger one: runs 112, 113 and 115 (`python3 bench/gemm_library.py`,
-# H200, each GEMM over its layers in a CUDA graph; ALOHA-3 with the 96-token bucket, 864 prefix and
-# 768 SigLIP rows a sample) measured the same thresholds, but for fc1 at batch 4 (+14, +52, -1 us a
-# call). Absent: cuBLAS at every size (the prefix's o; and the expert's GEMMs, 50 rows a sample,
-# which quack ran 1.5-1.8x slower at batch 4 and 8).
+# at that batch size and every larger one, each GEMM over its layers in a CUDA graph (ALOHA-3 with
+# the 96-token bucket: 864 prefix and 768 SigLIP rows a sample). Absent: cuBLAS at every size (the
+# prefix's o; and the expert's GEMMs, 50 rows a sample, where quack was slower).
 FROM_ROWS = {"prefix_gate_up": 2 * 864, "prefix_qkv": 4 * 864, "vision_fc1": 4 * 768, "vision_qkv": 8 * 768,
              "vision_o": 8 * 768}
 # quack's epilogue registry and its closure keying (patched below) are internals: pinned versions.
@@ -52,11 +49,11 @@ def require_pinned(option: str, pinned: dict[str, str], device: torch.device, de
         try:
             found = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
-            raise ConfigError(f"{option} needs {package}=={version}: pip install 'vlaserve[cute]' "
+            raise ConfigError(f"{option} needs {package}=={version}: pip install -e '.[cute]' "
                               f"(or serve with {default})") from None
         if found != version:
             raise ConfigError(f"{option} is built against {package}=={version}, found {found}: "
-                              "pip install 'vlaserve[cute]'")
+                              "pip install -e '.[cute]'")
 
 
 def linear(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +72,7 @@ def linear_gelu(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch
 
 def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ Wg^T) * (x @ Wu^T) [R, M] bf16, W = [Wg; Wu] [2M, K] (after `register`). quack's
-    concat layout reads the halves as (gate_i, up_i) pairs: as fast as interleaved rows (runs 113, 115)."""
+    concat layout reads the halves as (gate_i, up_i) pairs: as fast as interleaved rows."""
     from quack.gemm_interface import gemm_act
 
     return gemm_act(x2d, w_gate_up.t(), activation=GEGLU, store_preact=False, tuned=False, concat_layout=("B",))[1]
@@ -96,7 +93,7 @@ def register() -> None:
 def _key_closures_by_name() -> None:
     """quack 0.6.5 keys a compiled epilogue by the values its functions close over. Under CUTLASS
     DSL 4.8.1 the epilogue's functions close over a ContextVar of the DSL's and a code-object
-    method descriptor, which it has no key for (run 101). Those values are module-level
+    method descriptor, which it has no key for. Those values are module-level
     singletons, so their names identify them."""
     import contextvars
 
@@ -118,8 +115,7 @@ def _key_closures_by_name() -> None:
 def epilogue_ops():
     """The epilogues' pieces, built on first use (the DSL takes seconds to import). `gated(gelu,
     rounded)` is a quack gate function over pairs of (gate, up) columns, `rounded(act)` an
-    activation at the eager rounding points; bench/cute_probe.py builds its variants from the same
-    pieces."""
+    activation at the eager rounding points."""
     from types import SimpleNamespace
 
     from cutlass import Float32, const_expr
@@ -129,7 +125,7 @@ def epilogue_ops():
     @dsl_user_op
     def round_pair(x0, x1, *, loc=None, ip=None):
         # Both to the nearest bf16 (ties to even) with one packed cvt, back as fp32: 16 zero low bits.
-        # A cvt per value cost ~0.5 ms a batch-8 layer (run 106: 1675 against 1177 µs).
+        # (A cvt per value is markedly slower.)
         pair = llvm.inline_asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
                                [Float32(x0).ir_value(loc=loc, ip=ip), Float32(x1).ir_value(loc=loc, ip=ip)],
                                "{.reg .b32 h; cvt.rn.bf16x2.f32 h, $3, $2; shl.b32 $0, h, 16; "

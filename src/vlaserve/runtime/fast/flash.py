@@ -2,13 +2,11 @@
 
 The prefix's 8 query heads share one K/V head (head_dim 256), and every item's valid keys are the
 first rows of its cache (FastPi05.prefix), so FA4 reads them as a key length (`seqused_k`) with
-no mask tensor, q through a strided view of our head-major layout, and writes o_proj's layout.
-On an H200 (ALOHA-3, 96-token bucket, µs a layer, ours -> FA4; runs 101 and 124,
-`python3 bench/flash_probe.py --library fa4`): batch 1 29.2 -> 22.5, 2 37.4 -> 24.6, 4 73.5 -> 47.1,
-8 135.1 -> 91.1, with the same error against fp32 math. The expert's attention (50 queries a head)
-stays on our Triton kernel: FA4 has no key splits on sm90 and ran it slower (run 101), and so
-did FlashAttention-3 with its splits (run 123). Needs `pip install 'vlaserve[cute]'` and a Hopper
-(or newer) GPU; its kernels compile on first use (the warm-up).
+no mask tensor, q through a strided view of our head-major layout, and writes o_proj's layout. It
+runs the prefix's attention faster than our kernel with the same error against fp32 math
+(docs/performance.md). The expert's attention (50 queries a head) stays on our Triton kernel: FA4
+has no key splits on sm90. Needs `pip install -e '.[cute]'` and an sm90 / sm100 GPU; its
+kernels compile on first use (the warm-up).
 """
 
 from __future__ import annotations

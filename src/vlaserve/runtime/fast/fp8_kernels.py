@@ -12,7 +12,7 @@ the cast itself is exact: Triton's interpreter (the CPU tests) rounds fp8 casts 
 Where the kernel producing a GEMM's input can hold its row, it quantizes the row itself with the same
 rounding (kernel_code._quantize_row): the prefix's RMSNorm (kernels.residual_norm(quantize=True)), its
 GeGLU (`geglu_quantized`, below) and SigLIP's LayerNorm (kernels.residual_layer_norm(quantize=True));
-FastPi05.quantizing_producers says which do.
+backends.Fp8Gemm.quantizes says for which GEMMs.
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ FEW_ROWS = 2048
 
 
 def quantizer_config(m: int, k: int) -> QuantizerConfig:
-    """The split for [M, K] (every split computes the same bits). Measured on the H200 inside CUDA
-    graphs, the way the fast path runs them (run 172, `7bbc5e0:bench/probes/fp8_quantizer.py`), for
-    SigLIP's widths 1152 / 4304 and Gemma's 2048 / 16384 at batch 1 and 8: one pass for rows up to
-    2048 wide; 1024-column steps for 4304 (a 4096 step computes a mostly empty second block: 48.7
-    against 88.4 us at 6144 rows); a 16384-wide row in one pass only while rows are few."""
+    """The split for [M, K] (every split computes the same bits), chosen inside CUDA graphs for SigLIP's
+    widths 1152 / 4304 and Gemma's 2048 / 16384 at batch 1 and 8: one pass for rows up to 2048 wide;
+    1024-column steps for 4304 (a 4096 step computes a mostly empty second block); a 16384-wide row in
+    one pass only while rows are few."""
     block = triton.next_power_of_2(k)
     few = m <= FEW_ROWS
     if block <= 2048:
@@ -84,9 +83,8 @@ GEGLU_MAX_WIDTH = 16384
 
 
 def geglu_warps(width: int) -> int:
-    """Warps a row for `_geglu_quantized`: 32 values a thread. At Gemma 2B's 16384 on an H100 (run 254,
-    `05f44b8:bench/probes/fp8_producers.py`, in CUDA graphs, us a call at 864 / 6912 rows): 4 warps 75.8 / 499.9,
-    8: 44.8 / 295.6, 16: 39.4 / 259.7, 32: 45.4 / 327.5."""
+    """Warps a row for `_geglu_quantized`: 32 values a thread (at Gemma 2B's 16384, 16 warps: fewer
+    leave the row's loads latency-bound, 32 contend for the row's reduction)."""
     return max(4, min(32, triton.next_power_of_2(width) // 1024))
 
 

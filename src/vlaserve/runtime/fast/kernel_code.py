@@ -2,8 +2,8 @@
 
 kernels.py and fp8_kernels.py launch them (and say what each computes and why). They live apart, importing
 Triton but not torch, because a compile worker (fast/precompile.py) imports the module of each kernel it
-compiles: with the kernels beside their torch launchers, each of the 15 workers of an empty-cache start
-imported torch before its first compile (batch 1's compile 5.3-6.7 s then, 3.8-4.0 s without: run 228).
+compiles: with the kernels beside their torch launchers, each worker of an empty-cache start would import
+torch before its first compile, adding seconds to each worker's first compile.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ if triton is not None:
     @triton.jit
     def _gelu_flat(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         # y = gelu_tanh(x) over n elements, in fp32 between the loads and the stores (torch's
-        # rounding points; run 80: bit-identical to F.gelu at SigLIP's shapes, 30.2 vs 34.7 us at batch 8).
+        # rounding points: bit-identical to F.gelu at SigLIP's shapes, and faster).
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, gelu_tanh(x).to(y_ptr.dtype.element_ty), mask=offs < n)
@@ -254,7 +254,7 @@ if triton is not None:
     def _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2):
         """One key tile of flash attention: running max m_i, denominator l_i, fp32 accumulator. The
         scores are in log2 units (scale2 = scale * log2 e; a bias of 0 or the mask value means the
-        same in either unit), which saves a multiply per score (run 79: 1-3% of the attention)."""
+        same in either unit), which saves a multiply per score."""
         scores = tl.dot(q, tl.trans(k)) * scale2 + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -388,8 +388,8 @@ if triton is not None:
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
         inv_step = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
         rounded = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-        # y's sign bit onto |result| by bits: on the H200 `where(bits < 0, -rounded, rounded)` gave +0
-        # for negatives that round to zero, where torch's cast gives -0 (2026-12-04).
+        # y's sign bit onto |result| by bits: on the GPU `where(bits < 0, -rounded, rounded)` gives +0
+        # for negatives that round to zero, where torch's cast gives -0.
         sign = (bits >> 31) << 31
         return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -412,7 +412,7 @@ if triton is not None:
         Stored as one contiguous run, Triton would give every thread 16 consecutive values (a 16-byte
         store) and lay the whole producer out so, reordering its reductions: the LayerNorm's mean and
         variance then differ in their last bits from its bf16 twin's, and so does the row quantized
-        (found on an H100, run 254). `cols // 8 * 8 + cols % 8` is `cols` with runs of 8 for Triton's
+        on the GPU. `cols // 8 * 8 + cols % 8` is `cols` with runs of 8 for Triton's
         contiguity analysis, which keeps the layout of the loads (8 a thread)."""
         scale = _e4m3_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
         tl.store(scale_ptr, scale)

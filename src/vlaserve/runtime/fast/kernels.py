@@ -12,15 +12,14 @@ follows each GEMM into the pass that reduces its partial sums:
 - gate_up: one GEMM with both halves in the same program -> GeGLU in the epilogue
 - action in/out: the fp32 projections between the expert and the Euler update, with the update
            (and real-time chunking's guidance) in between: one kernel per step
-Partial sums are written, not atomically added, so results are bit-reproducible.
+Partial sums are written, not atomically added, so results are bit-reproducible. Every launch takes
+its configuration from a LaunchTable (launch_tables.py) passed in: the sm90 table by default.
 
 On Hopper the expert kernels are launched with programmatic dependent launch (PDL): kernel k+1 is
 launched and its programs placed on the SMs while kernel k runs; each waits
 (`griddepcontrol.wait`) before its first load, so it still computes only after its predecessor
-has finished and written everything: PDL hides the launch, never changes a result. (Every
-variant that reads weights before the wait measured slower than these kernels: the first tile or
-an L2 prefetch, runs 27-28; a program's whole weight slice, in registers or through TMA, on these
-grids or on one-tile grids, runs 91-94: docs/benchmarks.md.)
+has finished and written everything: PDL hides the launch, never changes a result (variants that
+read weights before the wait measured slower: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch
 
 from ...model.fp8 import E4M3, QuantizedRows
 from .kernel_code import gdc_wait, triton
+from .launch_tables import SM90, LaunchTable
 
 if triton is not None:
     from .kernel_code import (_action_step, _geglu_gemm, _geglu_rows, _gelu_flat, _mqa_merge, _mqa_split, _qkv_rope,
@@ -51,72 +51,6 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or interpreted())
 
 
-# Launch configurations for the expert-step kernels. Defaults: the winners of sweeps on an H200
-# (docs/performance.md): the single-tile GEMMs from `bench/bench_gpu.py --tune` (each kernel timed
-# with every layer's weights in turn, so that they stream from HBM as in a real step); attention,
-# "batched", "action" and the prefix attention from `bench/tune_batches.py` at commit 0bdbea4 (run 42:
-# each batch size's denoise graph, one family at a time). Other GPUs' tables: launch_tables.py. The single-tile GEMM configs hold for one row tile
-# (batch 1: 50 rows); "batched" ones, by the row count they start at, for more rows, where each
-# program covers `block_r` rows so that a weight tile is read once per 64 or 128 rows.
-TUNING = {
-    "splitk": {"block_r": 64, "block_n": 32, "block_k": 256, "max_waves": 1, "warps": 4, "stages": 4},
-    "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 5},
-    "qkv": {"block_r": 64, "block_n": 16, "block_k": 128, "warps": 4, "stages": 5},
-    # The expert's attention (50 x 8 query rows per item, keys split across programs) at batch 1,
-    # and from each batch size listed in "attention_batched" on (the largest key <= the batch).
-    # (SDPA instead was slower at every batch size, run 42: 22.7 vs 15.9 ms of denoise at batch 8.)
-    # With TMA loads (run 71, bench/attention_tma.py, the denoise graph) 16 key splits win at batch
-    # 1 (6.62 ms vs 6.71 at 8); batch 2 keeps 8, and 4 and 8 keep run 42's configs (the bests again).
-    "attention": {"block_m": 64, "splits": 16, "block_t": 64, "warps": 4, "stages": 2},
-    "attention_batched": {
-        2: {"block_m": 64, "splits": 8, "block_t": 64, "warps": 4, "stages": 2},
-        4: {"block_m": 64, "splits": 4, "block_t": 64, "warps": 4, "stages": 2},
-        8: {"block_m": 128, "splits": 4, "block_t": 64, "warps": 8, "stages": 2},
-    },
-    # The attention's log-sum-exp merge of the key splits: queries per program. Run 63
-    # (bench/rows_per_program.py), denoise ms 1 -> 2 queries: b1 6.86 -> 6.77, b2 8.68 -> 8.38,
-    # b4 10.42 -> 10.01, b8 14.02 -> 13.34 (4 or 8 per program: no better; 16: slower).
-    "merge": {"rows": 2, "warps": 4},
-    # The prefix's attention at batch 1 (one key split: ~1,000 queries per head fill the GPU), and
-    # from each batch size in "prefix_attention_batched" on. Run 71 (bench/attention_tma.py, one
-    # layer at 864 tokens, us, TMA / pointer loads / SDPA-cuDNN): b1 29.4 / 34.1 / 54.8, b2 (128
-    # queries a tile) 37.5 / 47.9 / 57.8, b4 71.1 / 90.3 / 109.0, b8 150.4 / 186.9 / 214.0. So the
-    # prefix no longer goes through SDPA at batch >= 2 (runs 48-57 chose it over 64-query tiles).
-    "prefix_attention": {"block_m": 64, "splits": 1, "block_t": 64, "warps": 4, "stages": 2},
-    "prefix_attention_batched": {2: {"block_m": 128, "splits": 1, "block_t": 64, "warps": 8, "stages": 2}},
-    # action_step up to max_rows rows (batch x horizon): at batch 1 it beats the eager ops (fp32
-    # cuBLAS + elementwise: 445 -> 269 us per call, run 28); from batch 2 on they are faster.
-    "action": {"block_r": 2, "block_k": 128, "block_w": 64, "programs": 128, "max_rows": 64, "unroll": 4},
-    "batched": {
-        # From 65 rows (batch 2 of a 50-step chunk), 200 (batch 4) and 400 (batch 8). block_n
-        # None: the widest column tile (16..128) that still gives every SM a program across the
-        # row tiles; warps None: 8 from 64-column tiles on.
-        # (65 rows: geglu and qkv take 128-deep K tiles since run 120, denoise 8.25 -> 8.07 ms at batch 2.)
-        65: {"splitk": {"block_r": 64, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
-             "geglu": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 4, "stages": 3},
-             "qkv": {"block_r": 64, "block_n": 32, "block_k": 128, "warps": 8, "stages": 4}},
-        200: {"splitk": {"block_r": 128, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 8, "stages": 4},
-              "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "stages": 3},
-              "qkv": {"block_r": 128, "block_n": 32, "block_k": 64, "warps": 8, "stages": 4}},
-        400: {"splitk": {"block_r": 128, "block_n": 64, "block_k": 128, "max_waves": 1, "warps": 4, "stages": 4},
-              "geglu": {"block_r": 128, "block_n": None, "block_k": 64, "warps": 8, "stages": 3},
-              "qkv": {"block_r": 128, "block_n": 64, "block_k": 64, "warps": 8, "stages": 4}},
-    },
-    # Expert GEMM families (EXPERT_GEMMS) that run through cuBLAS (F.linear, then our RoPE / GeGLU /
-    # residual-norm kernel on its bf16 output: the same rounding points) from this batch size on;
-    # the rest run our split-K / fused kernels. Run 52 (bench/expert_gemms.py,
-    # every subset of {qkv, o, gate_up, down} at every batch): qkv + gate_up through cuBLAS, denoise
-    # 10.88 -> 10.41 ms at batch 4 and 14.63 -> 14.03 at 8; at 2 a tie (8.68 vs 8.64), at 1 ours
-    # win (all four through cuBLAS: 6.81 -> 8.94); o and down through cuBLAS buy < 0.1 ms at 8.
-    "cublas_from_batch": {"qkv": 4, "gate_up": 4},
-    # Programmatic dependent launch: None = where the GPU has it (sm90+), else as given.
-    "pdl": None,
-    # The attention's q/k/v tiles through TMA descriptors: None = where the GPU has them (sm90+),
-    # else as given. Bit-identical to the pointer loads, and faster (runs 70-71).
-    "tma": None,
-}
-
-
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -126,21 +60,21 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def pdl_enabled() -> bool:
+def pdl_enabled(table: LaunchTable = SM90) -> bool:
     if gdc_wait is None:
         return False
-    if TUNING["pdl"] is not None:
-        return bool(TUNING["pdl"])
+    if table.pdl is not None:
+        return table.pdl
     return not interpreted() and _hopper()
 
 
-def tma_enabled() -> bool:
+def tma_enabled(table: LaunchTable = SM90) -> bool:
     """Whether the attention loads its tiles through TMA descriptors: None = where the GPU has the
     copy engine for them (sm90+; the interpreter too, so that CI runs this path), else as given."""
     if TensorDescriptor is None:
         return False
-    if TUNING["tma"] is not None:
-        return bool(TUNING["tma"])
+    if table.tma is not None:
+        return table.tma
     return interpreted() or _hopper()
 
 
@@ -161,31 +95,31 @@ def launch_options(pdl: bool = False) -> dict:
 EXPERT_GEMMS = ("qkv", "o", "gate_up", "down")
 
 
-def through_cublas(family: str, batch: int) -> bool:
+def through_cublas(family: str, batch: int, table: LaunchTable = SM90) -> bool:
     """Whether the expert's `family` GEMM (one of EXPERT_GEMMS) runs through cuBLAS at this batch size."""
     if family not in EXPERT_GEMMS:
         raise KeyError(family)
-    start = TUNING["cublas_from_batch"].get(family)
+    start = table["cublas_from_batch"].get(family)
     return start is not None and batch >= start
 
 
-def batched_config(rows: int) -> dict:
+def batched_config(rows: int, table: LaunchTable = SM90) -> dict:
     """The batched GEMM configs for `rows` rows: the entry with the largest start <= rows (or the
     first entry)."""
-    table = TUNING["batched"]
-    starts = [r for r in table if r <= rows]
-    return table[max(starts) if starts else min(table)]
+    batched = table["batched"]
+    starts = [r for r in batched if r <= rows]
+    return batched[max(starts) if starts else min(batched)]
 
 
-def _launch(name: str, rows: int, columns: int, programs: int = 128) -> tuple[dict, int]:
+def _launch(name: str, rows: int, columns: int, table: LaunchTable, programs: int = 128) -> tuple[dict, int]:
     """The launch config of GEMM family `name` for `rows` x `columns` outputs, and its rows per
     program. One row tile (batch 1) has its own tuned config; more rows take the "batched" table's
-    row tiles, and column tiles sized for about `programs` programs (one per SM of an H200's 132)
+    row tiles, and column tiles sized for about `programs` programs (one per SM of a 132-SM sm90 part)
     where its block_n is None."""
-    single = TUNING[name]
+    single = table[name]
     if rows <= single["block_r"]:
         return single, max(16, _pow2(rows))
-    cfg = dict(batched_config(rows)[name])
+    cfg = dict(batched_config(rows, table)[name])
     block_r = cfg["block_r"]
     if cfg["block_n"] is None:
         wide = columns * -(-rows // block_r) // programs
@@ -205,15 +139,15 @@ def _split_k(cfg: dict, block_r: int, n: int, k: int, rows: int, num_sms: int = 
     return splits
 
 
-def splitk_partials(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, table: LaunchTable = SM90) -> torch.Tensor:
     """x2d [R, K] bf16, w [N, K] -> fp32 partial sums [splits, R, N]."""
     r, k = x2d.shape
     n = w.shape[0]
-    cfg, block_r = _launch("splitk", r, n)
+    cfg, block_r = _launch("splitk", r, n, table)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     splits = _split_k(cfg, block_r, n, k, r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(table)
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
         x2d, w, out, r, n, k, k // splits, x2d.stride(0), w.stride(0),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
@@ -228,13 +162,13 @@ def supported(dims) -> bool:
             and dims.head_dim % 32 == 0)
 
 
-def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+def geglu_linear(x2d: torch.Tensor, w_gate_up: torch.Tensor, table: LaunchTable = SM90) -> torch.Tensor:
     """gelu_tanh(x @ Wg^T) * (x @ Wu^T) with W = [Wg; Wu] ([2M, K]) -> [R, M] bf16."""
     r, k = x2d.shape
     m = w_gate_up.shape[0] // 2
     out = torch.empty(r, m, dtype=x2d.dtype, device=x2d.device)
-    cfg, block_r = _launch("geglu", r, m)
-    pdl = pdl_enabled()
+    cfg, block_r = _launch("geglu", r, m, table)
+    pdl = pdl_enabled(table)
     _geglu_gemm[(triton.cdiv(m, cfg["block_n"]), triton.cdiv(r, block_r))](
         x2d, w_gate_up, out, r, m, k, x2d.stride(0), w_gate_up.stride(0),
         BLOCK_R=block_r, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
@@ -252,7 +186,7 @@ def _norm_outputs(h2d: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torc
 
 
 def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e-6,
-                  quantize: bool = False) -> "torch.Tensor | QuantizedRows":
+                  quantize: bool = False, table: LaunchTable = SM90) -> "torch.Tensor | QuantizedRows":
     """h += gate * delta in place (if delta), returns rms_norm(h) * scale (+ shift) [R, N]; with
     `quantize`, that quantized per row for an fp8 GEMM (the bits fp8_kernels.quantize_rows gives it).
 
@@ -260,7 +194,7 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
     """
     y, scales = _norm_outputs(h2d, quantize)
     splits = 1 if delta is None or delta.dim() == 2 else delta.shape[0]
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(table)
     _residual_norm[(h2d.shape[0],)](h2d if delta is None else delta, h2d, h2d if gate is None else gate, scale,
                                     scale if shift is None else shift, y, scales, h2d.shape[0], eps, SPLITS=splits,
                                     N=h2d.shape[1], HAS_DELTA=delta is not None, HAS_GATE=gate is not None,
@@ -269,9 +203,9 @@ def residual_norm(h2d, scale, shift=None, delta=None, gate=None, eps: float = 1e
     return QuantizedRows(y, scales, h2d.dtype) if quantize else y
 
 
-def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float) -> torch.Tensor:
+def linear_residual_norm(x2d, w, h2d, gate, scale1p, shift, eps: float, table: LaunchTable = SM90) -> torch.Tensor:
     """Expert: h += gate * (x @ w^T) in place (split-K); returns AdaRMS(h) [R, N]."""
-    return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w), gate=gate, eps=eps)
+    return residual_norm(h2d, scale1p, shift, delta=splitk_partials(x2d, w, table), gate=gate, eps=eps, table=table)
 
 
 def residual_layer_norm(h2d, weight, bias, eps: float, delta=None,
@@ -303,7 +237,7 @@ def geglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int, w_qkv=None,
-                        slots: torch.Tensor | None = None) -> torch.Tensor:
+                        slots: torch.Tensor | None = None, table: LaunchTable = SM90) -> torch.Tensor:
     """RoPE on q and k; k and v written into cache views k_out/v_out ([B, tokens, D]).
 
     qkv: the projection output [R, (num_heads + 2) D], or, with `w_qkv`, its input (the
@@ -317,11 +251,11 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     d = k_out.shape[-1]
     b = r // tokens
     q = torch.empty(b, num_heads * tokens, d, dtype=k_out.dtype, device=qkv.device)
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(table)
     if w_qkv is not None:
         if slots is not None:
             raise ValueError("qkv_rope_into_cache: slots need the projection's output, not w_qkv")
-        cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2))
+        cfg, block_r = _launch("qkv", r, (num_heads + 2) * (d // 2), table)
         grid = ((num_heads + 2) * (d // 2 // cfg["block_n"]), triton.cdiv(r, block_r))
         _qkv_rope_gemm[grid](qkv, w_qkv, cos, sin, q, k_out, v_out, r, qkv.shape[1], tokens, qkv.stride(0),
                              w_qkv.stride(0), k_out.stride(0), q.stride(0), HQ=num_heads, HALF=d // 2,
@@ -334,24 +268,25 @@ def qkv_rope_into_cache(qkv, cos, sin, k_out, v_out, num_heads: int, tokens: int
     return q
 
 
-def attention_config(batch: int):
+def attention_config(batch: int, table: LaunchTable = SM90):
     """The expert attention's launch config at this batch size."""
-    return _by_batch("attention", batch)
+    return _by_batch("attention", batch, table)
 
 
-def prefix_attention_config(batch: int):
+def prefix_attention_config(batch: int, table: LaunchTable = SM90):
     """The prefix attention's launch config at this batch size."""
-    return _by_batch("prefix_attention", batch)
+    return _by_batch("prefix_attention", batch, table)
 
 
-def _by_batch(family: str, batch: int):
-    # TUNING[family] at batch 1, TUNING[family + "_batched"][s] from batch size s on.
-    table = TUNING[f"{family}_batched"]
-    sizes = [s for s in table if s <= batch]
-    return table[max(sizes)] if sizes else TUNING[family]
+def _by_batch(family: str, batch: int, table: LaunchTable):
+    # table[family] at batch 1, table[family + "_batched"][s] from batch size s on.
+    batched = table[f"{family}_batched"]
+    sizes = [s for s in batched if s <= batch]
+    return batched[max(sizes)] if sizes else table[family]
 
 
-def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: dict) -> torch.Tensor:
+def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg,
+                  table: LaunchTable = SM90) -> torch.Tensor:
     """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D] (any item stride), bias [B, T] fp32
     -> [B, tokens, num_heads * D] (token-major, ready for o_proj). cfg: block_m, splits, block_t,
     warps, stages (several key splits add a log-sum-exp merge)."""
@@ -362,7 +297,7 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     out = torch.empty(b, tokens, num_heads * d, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(nq, block_m), splits, b)
     # A TMA box holds at most 256 elements a side, rows of a multiple of 16 bytes (Gemma: D = 256)
-    pdl, tma = pdl_enabled(), tma_enabled() and d <= 256 and (d * q.element_size()) % 16 == 0
+    pdl, tma = pdl_enabled(table), tma_enabled(table) and d <= 256 and (d * q.element_size()) % 16 == 0
     sources = (_rows_descriptor(q, block_m), _rows_descriptor(k_cache, block_t),
                _rows_descriptor(v_cache, block_t)) if tma else (q, k_cache, v_cache)
     launch = dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options(pdl))
@@ -377,7 +312,7 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
     _mqa_split[grid](*sources, bias, parts, lse, nq, tokens, t, t_split, scale2,
                      q.stride(0), k_cache.stride(0), HQ=num_heads, SPLITS=splits, BLOCK_M=block_m, BLOCK_T=block_t,
                      D=d, DIRECT=False, TMA=tma, PDL=pdl, **launch)
-    merge = TUNING["merge"]
+    merge = table["merge"]
     _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
                                                      ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],
                                                      **launch_options(pdl))
@@ -385,14 +320,15 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg: d
 
 
 def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_out=None, b_out=None,
-                x_out: torch.Tensor | None = None, dt: float = 0.0, t: float = 0.0, rtc=None) -> None:
+                x_out: torch.Tensor | None = None, dt: float = 0.0, t: float = 0.0, rtc=None,
+                table: LaunchTable = SM90) -> None:
     """fp32 x [R, A], bf16 h [R, W] (R = B * horizon). With `y` (the expert's output [R, W]):
     x_out = x + dt * v, v = y @ w_out^T + b_out (with real-time chunking's guidance, rtc = (prev
     [R, A], weights [R], guidance [B]) at time t); then, if `h` is given, h = x_out @ w_in^T + b_in
     (x_out is x without `y`)."""
     r, a = x.shape
     width = w_in.shape[0] if w_in is not None else w_out.shape[1]
-    cfg = TUNING["action"]
+    cfg = table["action"]
     block_r, block_w = cfg["block_r"], cfg["block_w"]
     row_blocks = triton.cdiv(r, block_r)
     # Split h's columns over programs until about `programs` of them run: more at batch 1 (few
@@ -400,7 +336,7 @@ def action_step(x: torch.Tensor, h: torch.Tensor | None, w_in, b_in, y=None, w_o
     chunks = 1
     while h is not None and chunks * 2 * block_w <= width and row_blocks * chunks * 2 <= cfg["programs"]:
         chunks *= 2
-    pdl = pdl_enabled()
+    pdl = pdl_enabled(table)
     prev, weights, guidance = rtc if rtc is not None else (x, x, x)
     horizon = r // guidance.shape[0] if rtc is not None else r
     grid = (row_blocks, chunks)

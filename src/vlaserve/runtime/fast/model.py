@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
-from ...model.fp8 import Fp8Linear, QuantizedRows, linear_fp8, quantize_rows
 from ...model.pi05 import Pi05Model
 from ...model.rtc import RTCGuidance, guidance_table
-from ...errors import ConfigError
-from . import cute, flash, fp8_kernels, kernels
+from . import kernels
+from .backends import attention_backend, gemm_backend
 from .buffers import HostMirror, block_layout, typed_view
-from .weights import Fp8Weight, FusedWeights, weight_of
+from .launch_tables import SM90, LaunchTable
+from .targets import device_target
+from .weights import FusedWeights, weight_of
 
 
 class TimeSchedule:
@@ -50,85 +51,44 @@ class TimeSchedule:
 
 class FastPi05:
     """Pi05Model's function over static buffers; every method is CUDA-graph safe, except the prefix
-    when `layer_stream` (the offload profile's LayerOffload) streams its layers in."""
+    when `layer_stream` (the offload profile's LayerOffload) streams its layers in.
+
+    What varies is chosen once, here: the Triton kernels or the stock ones per stack (SigLIP and the
+    prefix, the expert), the GEMM and attention backends (backends.py), and the launch table the
+    kernels take their configurations from (launch_tables.py)."""
 
     # Pi0.5's action projections are plain fp32 linears: one kernel runs them with the Euler update.
     FUSED_ACTION_IO = True
-    # fp8 with per-token activation scales: the Triton kernels that produce an fp8 GEMM's input and
-    # quantize it themselves instead of a quantizer kernel before the GEMM, with the same bits: the
-    # prefix's RMSNorms ("rms_norm", ahead of q/k/v and gate/up), its GeGLU ("geglu", ahead of down) and
-    # SigLIP's LayerNorms ("layer_norm", ahead of q/k/v and fc1). SigLIP's GELU measured no faster so
-    # (run 254, docs/performance.md). `quantizing_producers` on an instance, set before its graphs are
-    # captured, turns them off one by one.
-    QUANTIZING_PRODUCERS = frozenset({"rms_norm", "geglu", "layer_norm"})
 
     def __init__(self, model: Pi05Model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
-                 attention_library: str = "triton"):
+                 attention_library: str = "triton", launch_table: LaunchTable = SM90):
         """gemm_library: "cublas", or "quack" for the prefix's and SigLIP's GEMMs where cute.FROM_ROWS
-        says it is faster, with their activations in the epilogue (cute.py: the same bits).
-        attention_library: "triton", or "fa4" for the prefix's attention (flash.py)."""
+        says it is faster (an fp8 model takes its own GEMM); attention_library: "triton", or "fa4" for
+        the prefix's attention; launch_table: the GPU's (launch_tables.table_for)."""
         self.model = model
         self.layer_stream = layer_stream
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
         self.dtype = model.vlm.dtype
+        self.table = launch_table
         # Triton's fp32 dots round through tf32: float32 (the debugging dtype) stays on stock kernels.
         self.use_triton = use_triton and kernels.available() and self.dtype != torch.float32
+        prefix_on_triton = self.use_triton and self.vlm_dims.width & (self.vlm_dims.width - 1) == 0
+        expert_on_triton = self.use_triton and kernels.supported(self.expert_dims)
+        target = device_target(self.device) if prefix_on_triton else None
+        profile = "offload" if layer_stream is not None else "resident"
+        self.gemm = gemm_backend(gemm_library, model, target, self.dtype, profile, self.use_triton, self.device)
+        self.attention = attention_backend(attention_library, target, self.dtype, profile, launch_table, self.device)
+        self._vision_layers = self._vision_triton if self.use_triton else self._vision_torch
+        self._prefix_layers = self._prefix_triton if prefix_on_triton else self._prefix_torch
+        self._expert = self._expert_triton if expert_on_triton else self._expert_torch
+        self._fused_action_io = self.FUSED_ACTION_IO and expert_on_triton
         self._schedules: dict[int, TimeSchedule] = {}
         self._schedules_lock = threading.Lock()  # the capture thread makes schedules; refresh_weights rewrites them
-        self.quantizing_producers = self.QUANTIZING_PRODUCERS
-        self.quack = gemm_library == "quack"
-        if self.quack:
-            # The offload profile's prefix waits on its weights' copies, not on its GEMMs.
-            if not self._prefix_on_triton() or layer_stream is not None:
-                raise ConfigError("gemm_library 'quack' needs the Triton fast path (bfloat16, CUDA) and a memory "
-                                  "profile other than offload")
-            cute.require(self.device)
-            cute.register()
-        self.flash = attention_library == "fa4"
-        if self.flash:
-            if not self._prefix_on_triton():
-                raise ConfigError("attention_library 'fa4' needs the Triton fast path (bfloat16, CUDA)")
-            flash.require(self.device)
-        if any(isinstance(lin, Fp8Linear) for lin in model.expert.modules()):
-            raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
-                              "expert kernels take bfloat16 weights")
         if layer_stream is None:
             self.w = FusedWeights.of(model)
         else:
             with layer_stream.slot_views():
                 self.w = FusedWeights.of(model, views_only=True)
-
-    def _prefix_on_triton(self) -> bool:
-        return self.use_triton and self.vlm_dims.width & (self.vlm_dims.width - 1) == 0
-
-    def _on_quack(self, gemm: str, x2d: torch.Tensor) -> bool:
-        from_rows = cute.FROM_ROWS.get(gemm)  # absent: cuBLAS at every size
-        return self.quack and from_rows is not None and x2d.shape[0] >= from_rows
-
-    def _linear(self, gemm: str, x2d, w, bias=None) -> torch.Tensor:
-        """x2d @ w^T (+ bias) through quack where it is faster (gemm_library "quack"), else cuBLAS: the same bits."""
-        return cute.linear(x2d, w, bias) if self._on_quack(gemm, x2d) else self._gemm(x2d, w, bias)
-
-    def _gemm(self, x: "torch.Tensor | QuantizedRows", w: "torch.Tensor | Fp8Weight",
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w^T (+ bias): cuBLAS, or for an fp8 weight the fp8 GEMM (torch._scaled_mm where it runs),
-        its input quantized by one Triton kernel on the Triton path (unless it comes quantized)."""
-        if isinstance(w, Fp8Weight):
-            quantizer = fp8_kernels.quantize_rows if self.use_triton else quantize_rows
-            return linear_fp8(x, w.data, w.scale, bias, w.input_scale, quantizer=quantizer)
-        return F.linear(x, w, bias)
-
-    def _quantizes(self, producer: str, w) -> bool:
-        """Whether the kernel `producer` quantizes its output for w's GEMM itself: w in fp8 with per-token
-        activation scales (a static scale's quantizer stays a kernel of its own) and the producer on."""
-        return producer in self.quantizing_producers and isinstance(w, Fp8Weight) and w.input_scale is None
-
-    def _geglu(self, gate_up: torch.Tensor, w_down) -> "torch.Tensor | QuantizedRows":
-        """GeGLU of gate_up [R, 2M] as the down projection takes it: quantized in the same kernel where
-        `_quantizes` says so and the row fits its one pass."""
-        if self._quantizes("geglu", w_down) and gate_up.shape[1] // 2 <= fp8_kernels.GEGLU_MAX_WIDTH:
-            return fp8_kernels.geglu_quantized(gate_up)
-        return kernels.geglu(gate_up)
 
     @property
     def device(self) -> torch.device:
@@ -167,17 +127,19 @@ class FastPi05:
     def vision(self, images: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> post-layernorm features [N, patches, W] (model dtype)."""
         vis = self.model.vision
-        d = vis.dims
         x = (self._patch_embedding(images) + vis.position_embedding.weight).to(self.dtype).contiguous()
+        return self._vision_layers(x)
+
+    def _vision_torch(self, x: torch.Tensor) -> torch.Tensor:
+        vis = self.model.vision
+        d = vis.dims
         n, p, _ = x.shape
-        if self.use_triton:
-            return self._vision_triton(x.view(n * p, -1), n, p).view(n, p, -1)
         # LayerNorms in fp32 from bf16 parameters (the fp32 set is OpenPI's), as the Triton kernel does.
         for i, (lyr, (qkv_w, qkv_b)) in enumerate(zip(vis.layers, self.w.vision_qkv)):
             self._enter("vision", i)
             y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm1.weight.float(),
                              lyr.layer_norm1.bias.float(), d.layer_norm_eps)
-            attn = self._vision_attention(self._gemm(y.to(self.dtype), qkv_w, qkv_b), n, p)
+            attn = self._vision_attention(self.gemm.linear(y.to(self.dtype), qkv_w, qkv_b), n, p)
             x = x + lyr.self_attn.out_proj(attn)
             y = F.layer_norm(x.float(), (d.width,), lyr.layer_norm2.weight.float(),
                              lyr.layer_norm2.bias.float(), d.layer_norm_eps)
@@ -187,8 +149,7 @@ class FastPi05:
 
     def _patch_embedding(self, images: torch.Tensor) -> torch.Tensor:
         """The patch embedding (a stride-p p x p convolution, fp32) as one GEMM over the unfolded
-        patches [N, patches, 3 p p]: the same products and sums, 2.2x faster than the convolution on
-        an H200 (run 44: 220 vs 488 us for 24 images; both 3.3e-6 from a float64 convolution)."""
+        patches [N, patches, 3 p p]: the same products and sums, and faster than the convolution."""
         conv = self.model.vision.patch_embedding
         n, c, height, width = images.shape
         p = conv.kernel_size[0]
@@ -209,31 +170,30 @@ class FastPi05:
         attn = F.scaled_dot_product_attention(q, k, v, scale=d.head_dim**-0.5)
         return attn.transpose(1, 2).reshape(qkv.shape[:-1] + (d.num_heads * d.head_dim,))
 
-    def _vision_triton(self, x2d: torch.Tensor, n: int, p: int) -> torch.Tensor:
+    def _vision_triton(self, x: torch.Tensor) -> torch.Tensor:
+        n, p, _ = x.shape
+        x2d = x.view(n * p, -1)
         vis = self.model.vision
         eps = vis.dims.layer_norm_eps
         norms = [lyr.layer_norm1 for lyr in vis.layers[1:]] + [vis.post_layernorm]
         # What each norm's output feeds: the next layer's q/k/v, and after the last layer the projector.
         consumers = [w for w, _ in self.w.vision_qkv[1:]] + [None]
         ln, qkv_w = vis.layers[0].layer_norm1, self.w.vision_qkv[0][0]
-        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, quantize=self._quantizes("layer_norm", qkv_w))
+        y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps, quantize=self.gemm.quantizes(qkv_w))
         for i, (lyr, (qkv_w, qkv_b), next_ln, next_w) in enumerate(zip(vis.layers, self.w.vision_qkv, norms,
                                                                         consumers)):
             self._enter("vision", i)
-            attn = self._vision_attention(self._linear("vision_qkv", y, qkv_w, qkv_b), n, p)
+            attn = self._vision_attention(self.gemm.linear(y, qkv_w, qkv_b, "vision_qkv"), n, p)
             ln, out_proj, fc1 = lyr.layer_norm2, lyr.self_attn.out_proj, lyr.mlp.fc1
             fc1_w = weight_of(fc1)
             y = kernels.residual_layer_norm(x2d, ln.weight, ln.bias, eps,
-                                            delta=self._linear("vision_o", attn, weight_of(out_proj), out_proj.bias),
-                                            quantize=self._quantizes("layer_norm", fc1_w))
-            if self._on_quack("vision_fc1", y):
-                act = cute.linear_gelu(y, fc1.weight, fc1.bias)
-            else:
-                act = kernels.gelu(self._gemm(y, fc1_w, fc1.bias))
-            mlp = self._gemm(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
+                                            delta=self.gemm.linear(attn, weight_of(out_proj), out_proj.bias, "vision_o"),
+                                            quantize=self.gemm.quantizes(fc1_w))
+            act = self.gemm.linear_gelu("vision_fc1", y, fc1_w, fc1.bias)
+            mlp = self.gemm.linear(act, weight_of(lyr.mlp.fc2), lyr.mlp.fc2.bias)
             y = kernels.residual_layer_norm(x2d, next_ln.weight, next_ln.bias, eps, delta=mlp,
-                                            quantize=self._quantizes("layer_norm", next_w))
-        return y
+                                            quantize=self.gemm.quantizes(next_w))
+        return y.view(n, p, -1)
 
     def prefix(self, images, image_masks, tokens, token_mask, k_cache, v_cache, vision_slots: int | None = None):
         """Fills k_cache/v_cache[:, :, :P] ([L, B, T, D]) and returns the cache's pad mask [B, P].
@@ -265,13 +225,10 @@ class FastPi05:
         cache_pad = torch.arange(pad.shape[1], device=pad.device) < valid
         dims = self.vlm_dims
         cos, sin = rope_cos_sin(positions, dims.head_dim, dims.rope_theta, self.dtype)
-        if self._prefix_on_triton():
-            self._prefix_triton(h, cache_pad, slots, cos, sin, k_cache, v_cache)
-        else:
-            self._prefix_torch(h, pad, slots, cos, sin, k_cache, v_cache)
+        self._prefix_layers(h, pad, cache_pad, slots, cos, sin, k_cache, v_cache)
         return cache_pad
 
-    def _prefix_torch(self, h, pad, slots, cos, sin, k_cache, v_cache):
+    def _prefix_torch(self, h, pad, cache_pad, slots, cos, sin, k_cache, v_cache):
         dims = self.vlm_dims
         b, plen, _ = h.shape
         bias = torch.where(pad[:, None, :] & pad[:, :, None], 0.0, MASK_VALUE).to(self.dtype)[:, None]
@@ -279,18 +236,18 @@ class FastPi05:
         for i, lw in enumerate(self.w.vlm):
             self._enter("vlm", i)
             x = _rms(h, lw.norm1, dims.rms_norm_eps)
-            q, k, v = _split_qkv(self._gemm(x, lw.qkv), dims)
+            q, k, v = _split_qkv(self.gemm.linear(x, lw.qkv), dims)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache[i, :, :plen].scatter_(1, rows, k[:, 0])
             v_cache[i, :, :plen].scatter_(1, rows, v[:, 0])
             if i == len(self.w.vlm) - 1:
                 break  # the last layer's attention output and MLP feed nothing we use
             attn = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), attn_mask=bias)
-            h = h + self._gemm(attn.transpose(1, 2).reshape(b, plen, -1), lw.o)
+            h = h + self.gemm.linear(attn.transpose(1, 2).reshape(b, plen, -1), lw.o)
             x = _rms(h, lw.norm2, dims.rms_norm_eps)
-            h = h + self._gemm(_geglu(self._gemm(x, lw.gate_up)), lw.down)
+            h = h + self.gemm.linear(_geglu(self.gemm.linear(x, lw.gate_up)), lw.down)
 
-    def _prefix_triton(self, h, cache_pad, slots, cos, sin, k_cache, v_cache):
+    def _prefix_triton(self, h, pad, cache_pad, slots, cos, sin, k_cache, v_cache):
         # Padding queries attend to the valid keys here (the eager path spreads them uniformly over
         # all keys); either way they only shape padded tokens, which no valid token ever reads.
         dims = self.vlm_dims
@@ -299,37 +256,26 @@ class FastPi05:
         cos_half = cos[:, 0, :, :half].float().reshape(b * plen, half)
         sin_half = sin[:, 0, :, :half].float().reshape(b * plen, half)
         rows = slots.to(torch.int32).reshape(b * plen)
-        if self.flash:
-            valid_keys = cache_pad.sum(1, dtype=torch.int32)
-        else:
-            key_bias = torch.where(cache_pad, 0.0, MASK_VALUE).to(torch.float32)
-        eps, layers = dims.rms_norm_eps, self.w.vlm
+        keys = self.attention.keys(cache_pad)
+        eps, layers, table, gemm = dims.rms_norm_eps, self.w.vlm, self.table, self.gemm
         h2d = h.reshape(b * plen, width).contiguous()
-        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps, quantize=self._quantizes("rms_norm", layers[0].qkv))
+        y = kernels.residual_norm(h2d, layers[0].norm1, eps=eps, quantize=gemm.quantizes(layers[0].qkv), table=table)
         q_rows = dims.num_heads * dims.head_dim
         for i, lw in enumerate(layers):
             self._enter("vlm", i)
             kv = (k_cache[i, :, :plen], v_cache[i, :, :plen])
             if i == len(layers) - 1:  # the last layer's queries, attention and MLP feed nothing we use
-                kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv[q_rows:]), cos_half, sin_half,
-                                            *kv, 0, plen, slots=rows)
+                kernels.qkv_rope_into_cache(gemm.linear(y, lw.qkv[q_rows:], gemm="prefix_qkv"), cos_half, sin_half,
+                                            *kv, 0, plen, slots=rows, table=table)
                 break
-            q = kernels.qkv_rope_into_cache(self._linear("prefix_qkv", y, lw.qkv), cos_half, sin_half, *kv,
-                                            dims.num_heads, plen, slots=rows)
-            if self.flash:
-                attn = flash.prefix_attention(q, *kv, valid_keys, dims.num_heads, plen)
-            else:
-                attn = kernels.mqa_attention(q, *kv, key_bias, dims.num_heads, plen,
-                                             kernels.prefix_attention_config(b))
-            y = kernels.residual_norm(h2d, lw.norm2, delta=self._linear("prefix_o", attn.view(b * plen, -1), lw.o),
-                                      eps=eps, quantize=self._quantizes("rms_norm", lw.gate_up))
-            if self._on_quack("prefix_gate_up", y):
-                act = cute.geglu_linear(y, lw.gate_up)
-            else:
-                act = self._geglu(self._gemm(y, lw.gate_up), lw.down)
-            down = self._gemm(act, lw.down)
-            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=down, eps=eps,
-                                      quantize=self._quantizes("rms_norm", layers[i + 1].qkv))
+            q = kernels.qkv_rope_into_cache(gemm.linear(y, lw.qkv, gemm="prefix_qkv"), cos_half, sin_half, *kv,
+                                            dims.num_heads, plen, slots=rows, table=table)
+            attn = self.attention.prefix(q, *kv, keys, dims.num_heads, plen)
+            y = kernels.residual_norm(h2d, lw.norm2, delta=gemm.linear(attn.view(b * plen, -1), lw.o, gemm="prefix_o"),
+                                      eps=eps, quantize=gemm.quantizes(lw.gate_up), table=table)
+            act = gemm.gate_up_geglu("prefix_gate_up", y, lw.gate_up, lw.down)
+            y = kernels.residual_norm(h2d, layers[i + 1].norm1, delta=gemm.linear(act, lw.down), eps=eps,
+                                      quantize=gemm.quantizes(layers[i + 1].qkv), table=table)
 
     # ---- denoising ------------------------------------------------------------------------
     def action_geometry(self, pad: torch.Tensor, horizon: int, cache_len: int):
@@ -352,9 +298,7 @@ class FastPi05:
 
     def expert_step(self, h, step: int, sched, geometry, k_cache, v_cache, plen: int):
         """The expert over the action tokens h [B, H, W] at one step; final-normed hidden state out."""
-        if self.use_triton and kernels.supported(self.expert_dims):
-            return self._expert_triton(h, step, sched, geometry, k_cache, v_cache, plen)
-        return self._expert_torch(h, step, sched, geometry, k_cache, v_cache, plen)
+        return self._expert(h, step, sched, geometry, k_cache, v_cache, plen)
 
     def _expert_torch(self, h, step, sched, geometry, k_cache, v_cache, plen):
         dims = self.expert_dims
@@ -385,27 +329,32 @@ class FastPi05:
         # The kernels take the first half of the (duplicated) RoPE tables, as fp32 [B * H, D / 2].
         cos_half = cos[:, 0, :, :half].float().reshape(b * horizon, half)
         sin_half = sin[:, 0, :, :half].float().reshape(b * horizon, half)
-        eps, layers = dims.rms_norm_eps, len(self.w.expert)
+        eps, layers, table = dims.rms_norm_eps, len(self.w.expert), self.table
         h2d = h.reshape(b * horizon, width).contiguous()
-        y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps)
-        cublas = {family: kernels.through_cublas(family, b) for family in kernels.EXPERT_GEMMS}
+        y = kernels.residual_norm(h2d, sched.scale1p[step, 0, 0], sched.shift[step, 0, 0], eps=eps, table=table)
+        cublas = {family: kernels.through_cublas(family, b, table) for family in kernels.EXPERT_GEMMS}
 
         def residual(family, x, w, gate, scale1p, shift):  # h += gate * x @ w^T, then AdaRMS(h)
             if cublas[family]:
-                return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps)
-            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps)
+                return kernels.residual_norm(h2d, scale1p, shift, delta=F.linear(x, w), gate=gate, eps=eps, table=table)
+            return kernels.linear_residual_norm(x, w, h2d, gate, scale1p, shift, eps, table)
 
         for i, lw in enumerate(self.w.expert):
             tail = (k_cache[i, :, plen:plen + horizon], v_cache[i, :, plen:plen + horizon])
             if cublas["qkv"]:
-                q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon)
+                q = kernels.qkv_rope_into_cache(F.linear(y, lw.qkv), cos_half, sin_half, *tail, dims.num_heads, horizon,
+                                                table=table)
             else:
-                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv)
+                q = kernels.qkv_rope_into_cache(y, cos_half, sin_half, *tail, dims.num_heads, horizon, w_qkv=lw.qkv,
+                                                table=table)
             attn = kernels.mqa_attention(q, k_cache[i], v_cache[i], bias, dims.num_heads, horizon,
-                                         kernels.attention_config(b))
+                                         kernels.attention_config(b, table), table)
             y = residual("o", attn.view(b * horizon, -1), lw.o, sched.gate[step, i, 0], sched.scale1p[step, i, 1],
                          sched.shift[step, i, 1])
-            act = kernels.geglu(F.linear(y, lw.gate_up)) if cublas["gate_up"] else kernels.geglu_linear(y, lw.gate_up)
+            if cublas["gate_up"]:
+                act = kernels.geglu(F.linear(y, lw.gate_up))
+            else:
+                act = kernels.geglu_linear(y, lw.gate_up, table)
             if i + 1 < layers:
                 scale1p, shift = sched.scale1p[step, i + 1, 0], sched.shift[step, i + 1, 0]
             else:
@@ -418,8 +367,7 @@ class FastPi05:
         plen = pad.shape[1]
         geometry = self.action_geometry(pad, horizon, k_cache.shape[2])
         dt = -1.0 / len(sched.times)
-        fused = noise.shape[0] * horizon <= kernels.TUNING["action"]["max_rows"]
-        if self.FUSED_ACTION_IO and fused and self.use_triton and kernels.supported(self.expert_dims):
+        if self._fused_action_io and noise.shape[0] * horizon <= self.table["action"]["max_rows"]:
             return self._denoise_fused(noise, sched, geometry, k_cache, v_cache, plen, dt, rtc)
         x = noise
         for step, t in enumerate(sched.times):
@@ -439,14 +387,14 @@ class FastPi05:
         w_out, b_out = m.action_out_proj.weight, m.action_out_proj.bias
         xs = (noise.reshape(b * horizon, a).clone(), torch.empty(b * horizon, a, device=noise.device))
         h = torch.empty(b * horizon, w_in.shape[0], dtype=self.dtype, device=noise.device)
-        kernels.action_step(xs[0], h, w_in, b_in)
+        kernels.action_step(xs[0], h, w_in, b_in, table=self.table)
         steps = len(sched.times)
         for step, t in enumerate(sched.times):
             y = self.expert_step(h.view(b, horizon, -1), step, sched, geometry, k_cache, v_cache, plen)
             guidance = None if rtc is None else (rtc.prev.reshape(-1, a), rtc.weights.reshape(-1), rtc.guidance[step])
             kernels.action_step(xs[step % 2], h if step + 1 < steps else None, w_in, b_in,
                                 y=y.reshape(b * horizon, -1), w_out=w_out, b_out=b_out, x_out=xs[(step + 1) % 2],
-                                dt=dt, t=t, rtc=guidance)
+                                dt=dt, t=t, rtc=guidance, table=self.table)
         return xs[steps % 2].view(b, horizon, a)
 
 

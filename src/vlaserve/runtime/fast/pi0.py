@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ...model.pi0 import Pi0Model
 from ...model.flow import PrefixContext, euler_times
+from .launch_tables import SM90, LaunchTable
 from .model import FastPi05
 
 
@@ -65,8 +66,8 @@ class FastPi0(FastPi05):
 
 
 def fast_model(model, use_triton: bool = True, layer_stream=None, gemm_library: str = "cublas",
-               attention_library: str = "triton") -> FastPi05:
+               attention_library: str = "triton", launch_table: LaunchTable = SM90) -> FastPi05:
     """The fast path's math for `model`'s family."""
     cls = FastPi0 if isinstance(model, Pi0Model) else FastPi05
     return cls(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
-               attention_library=attention_library)
+               attention_library=attention_library, launch_table=launch_table)

@@ -8,8 +8,8 @@ tma_enabled gate them; FP8 tensor cores from sm89 on, which precision fp8 needs)
 launch table the kernels take their tiles, warps and stages from.
 
 The launch tables themselves are in launch_tables.py (this module imports no Triton: the startup
-decision is made before the fast path loads). Measured only on an H200; every other target is
-compiled and resource-checked by tests/test_gpu_targets.py.
+decision is made before the fast path loads). docs/gpus.md says which targets were measured; every
+launch table is compiled and resource-checked by tests/test_gpu_targets.py.
 
 Below sm80 (no bf16 tensor cores) the fast path does not run: the eager model serves.
 """
@@ -91,6 +91,13 @@ def target_for(capability: tuple[int, int]) -> Target | None:
     if not known:
         known = [c for c in TARGETS if c <= cap]
     return TARGETS[max(known)]
+
+
+def device_target(device: torch.device) -> Target | None:
+    """The matrix's entry for `device`'s GPU; None off CUDA or below sm80."""
+    if device.type != "cuda":
+        return None
+    return target_for(torch.cuda.get_device_capability(device))
 
 
 def choose_target(device: torch.device) -> Target | None:
