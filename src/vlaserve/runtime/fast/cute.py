@@ -11,8 +11,8 @@ So no output element differs from the served path's or from torch's eager ops (c
 element of a batch-8 and a batch-1 gate/up layer), and the pass's HBM round trip is gone.
 
 Each GEMM takes quack from the row count where it measured faster (FROM_ROWS); below that the
-default path runs unchanged, on the same weights (backends.QuackGemm). Needs `pip install
-'vlaserve[cute]'` and an sm90 / sm100 GPU.
+default path runs unchanged, on the same weights (backends.QuackGemm). Needs the `cute` extra
+(`pip install -e '.[cute]'` in vlaserve's clone) and an sm90 / sm100 GPU.
 """
 
 from __future__ import annotations
