@@ -7,7 +7,7 @@ A profile says where the weights live and how much the engine may keep (docs/mem
   batch (its max batch size is capped); a larger batch from a library caller runs the same kernels
   without graphs. The prefix cache, when enabled, holds fewer entries.
 - offload: the vision tower's and the VLM's layer matrices stay in pinned host memory and stream
-  through two device slots per stack on every call (engine/offload.py); on CUDA the fast path runs,
+  through two device slots per stack on every call (runtime/offload.py); on CUDA the fast path runs,
   the prefix outside CUDA graphs.
 
 The estimate is weights + offload slots + K/V cache and static buffers + activations + the CUDA

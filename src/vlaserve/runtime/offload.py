@@ -10,7 +10,7 @@ previous layer goes back to its host copy at that moment, which is also when an 
 slot free for reuse (all of its kernels are queued by then). On a CPU device the "copy stream" is
 the identity: copies happen in place, in order, and the arithmetic is exactly the eager model's.
 
-Two users. The CUDA fast path (engine/graphs.py) calls `enter(stack, i)` before it uses layer i, and
+Two users. The CUDA fast path (runtime/graphs.py) calls `enter(stack, i)` before it uses layer i, and
 builds its fused weights inside `slot_views()`: layer i always runs from slot i % 2, so the fused Q/K/V
 and gate/up matrices are fixed views of a slot (its members are packed adjacently) and the actions are
 the resident fast path's, bit for bit. The eager model is entered through forward pre-hooks.
