@@ -803,7 +803,7 @@ def profiles(results, served, model, policy_config, inputs, noise, timings, flop
         results["floor_ms_b8_sustained"] = floor_ms_batched(flops, 8, STEPS, at_sustained(results["ceilings"]))
     # With PDL a kernel starts before its predecessor ends and waits: its time in the profile
     # includes that wait. The same graphs without PDL attribute time to kernels.
-    table = served_table(device)
+    table = served_table(str(next(model.parameters()).device))
     plain = FastRunner(model, policy_config, use_graphs=True, use_triton=True, gemm_library=args.gemm_library,
                        attention_library=args.attention_library, launch_table=table.with_features(pdl=False, tma=table.tma))
     for b, (inp, noi) in ((1, (inputs, noise)), (8, (inputs8, noise8))):

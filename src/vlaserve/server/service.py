@@ -9,16 +9,15 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 
-import numpy as np
 
 from ..batcher import Batcher, BatcherClosed
 from ..errors import InvalidInput, NonFiniteActions, NotServing
 from ..processing.layouts import KeyLayout
-from ..types import InferenceResult, Request
+from ..types import Request
 from .access import TICKET_LIFETIME_S, Access
 from .metadata import public_metadata
 from .metrics import Metrics
-from .replies import HOST_STAGES, MODEL_STAGES, failed_status, ms_since, reply_body
+from .replies import MODEL_STAGES, failed_status, ms_since, reply_body
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
 from .settings import ServerSettings
