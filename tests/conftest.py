@@ -34,10 +34,12 @@ def pytest_configure(config):
 
 
 # ---- a real browser, and the demo server it opens ------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     """Headless Chromium (Debian's, which .ci/run installs), driven by Playwright: the pages as a person
-    sees them (/docs, the page at /). Playwright's own browser download is not used."""
+    sees them (/docs, the page at /). Playwright's own browser download is not used. One per test module:
+    Playwright's sync API holds an event loop on this thread while it runs, where the later modules'
+    asyncio.run() would fail."""
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("Chromium is not installed (`apt-get install chromium`, which .ci/run does): "

@@ -35,7 +35,7 @@ def test_a_missing_library_says_how_to_install_it(option, default, value, module
     # On a GPU the libraries support (elsewhere the GPU is refused first: tests/test_gpu_targets.py)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    with pytest.raises(ConfigError, match=rf"{option} '{value}' needs .*pip install 'vlaserve\[cute\]'"):
+    with pytest.raises(ConfigError, match=rf"{option} '{value}' needs .*pip install -e '\.\[cute\]'"):
         module.require(torch.device("cuda"))
 
 
