@@ -10,7 +10,6 @@ not predicted and its state moved at least STATE_MOVED (L2) from the last one ru
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +91,6 @@ class RobotSession:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     predicted: set = field(default_factory=set)
     last_state: np.ndarray | None = None
-    last_active: float = field(default_factory=time.monotonic)
 
     def state_of(self, raw: dict) -> np.ndarray | None:
         """The state vector LeRobot's filter compares (None without a state feature)."""
@@ -184,7 +182,6 @@ class RobotSessions:
     def get(self, peer: str) -> RobotSession | None:
         session = self._sessions.get(peer)
         if session is not None:
-            session.last_active = time.monotonic()
             self._sessions.move_to_end(peer)
         return session
 
