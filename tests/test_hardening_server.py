@@ -186,7 +186,7 @@ def _inferences_in_flight(url: str) -> float:
     return float(match[1])
 
 
-@pytest.mark.slow  # two 100-step requests in flight
+@pytest.mark.slow  # a 100-step request in flight and one queued behind it
 def test_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, tmp_path, golden_policy):
     proc = ServerProcess([str(golden / "checkpoint"), "--device", "cpu", "--dtype", "float32"], tmp_path / "log")
     obs, noise = make_observation(7, cameras=("base_0_rgb",), size=(24, 24)), make_noise(7)
@@ -216,15 +216,16 @@ def test_sigterm_answers_in_flight_websocket_requests_then_closes_1012(golden, t
         with ws_client.connect(proc.ws_url + "/openpi/policy", max_size=None) as idle:
             idle.recv()
             clients = [threading.Thread(target=f) for f in (realtime, openpi)]
-            for c in clients:
-                c.start()
-            # Wait (paced, bounded) until both requests are inside the server, queued or running: the
-            # SIGTERM must find them in flight, or this test proves nothing.
+            # The 100-step request goes in first; the OpenPI one (10 steps, its wire has no step count) then
+            # queues behind it. Sent together, the short one could run and finish first, alone. Each wait is
+            # paced and bounded: the SIGTERM must find both in flight, or this test proves nothing.
             deadline = time.monotonic() + 120
-            while _inferences_in_flight(proc.url) < 2:
-                assert not replies and all(c.is_alive() for c in clients), "a request ended before the SIGTERM"
-                assert time.monotonic() < deadline, "the two requests were never in flight together"
-                time.sleep(0.05)
+            for wanted, client in enumerate(clients, start=1):
+                client.start()
+                while _inferences_in_flight(proc.url) < wanted:
+                    assert not replies and all(c.is_alive() for c in clients[:wanted]), "a request ended before the SIGTERM"
+                    assert time.monotonic() < deadline, f"{wanted} request(s) were never in flight together"
+                    time.sleep(0.05)
             proc.proc.send_signal(signal.SIGTERM)
             for c in clients:
                 c.join(timeout=120)
