@@ -243,7 +243,7 @@ def main() -> None:
                          "the golden one)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache, empty Triton cache")
-    ap.add_argument("--serve-args", default="", help="more `vlaserve serve` options, e.g. '--weights-loader safetensors'")
+    ap.add_argument("--serve-args", default="", help="more `vlaserve serve` options, e.g. '--prefix-cache 8'")
     ap.add_argument("--label", default="", help="suffix of the result file name")
     ap.add_argument("--batch", type=int, default=None,
                     help="observations in one batched call, and concurrent single calls (default 8; --smoke: 2)")

@@ -158,7 +158,7 @@ class RuntimeConfig:
                                                 "captured, the rest captured while serving) or blocking (ready "
                                                 "once every one is)")
     weights_loader: str = _option("safetensors", "LOADER", "safetensors (mmap, read ahead while starting) or "
-                                                           "runai-streamer (pip install -e '.[runai]')")
+                                                           "runai-streamer (pip install -e '.[runai]')", flag=False)
     prefix_cache: int = _option(0, "N", "keep the prefix K/V of the last N distinct observations (exact; 0: off)")
     prompt_buckets: tuple[int, ...] | str = _option(
         "auto", "L1,L2", "pad prompts only to the smallest of these token lengths that fits, as 48,96; auto: on "
