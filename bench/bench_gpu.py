@@ -51,6 +51,7 @@ from vlaserve.model.fp8 import E4M3, convert_to_fp8
 from vlaserve.model.pi05 import Pi05Model
 from vlaserve.model.rtc import RTCGuidance
 from vlaserve.precision import cosines
+from vlaserve.startup.capture import GraphCapture
 from vlaserve.startup.plan import capture_plan
 from vlaserve.runtime.runner import EagerRunner
 from vlaserve.types import ModelInputs
@@ -375,18 +376,18 @@ def served_actions(smoke: bool, device: str, through_plan: bool = False) -> dict
     at batch 1, 2, 4, 8 (--smoke: 1, 2), without and with RTC guidance (drawn from seed b), and
     their p50 ms: {"actions": {b: tensor}, "rtc_actions": {b: tensor}, "p50_ms": {b: ms}} (files
     saved before RTC was added, as bench/fast_path_actions.py's at 0bdbea4, compare their part).
-    `through_plan` (CUDA): the graphs captured first, as the server does (FastRunner.capture
-    through a plan of these batch sizes at the bench's shape); else each on its first call."""
+    `through_plan` (CUDA): the graphs captured first, as the server does (GraphCapture
+    (startup/capture.py) through a plan of these batch sizes at the bench's shape); else each on its first call."""
     model, policy_config = bench_model(smoke, device)
     batches = (1, 2) if smoke else (1, 2, 4, 8)
     runner = next(iter(runners(model, policy_config, device, "cublas", "triton").values()))
     planned = through_plan and device == "cuda"
     if planned:
-        plan = capture_plan(batches, (TOKENS,), len(policy_config.cameras))
+        plan, capture = capture_plan(batches, (TOKENS,), len(policy_config.cameras)), GraphCapture(runner)
         for key in plan:
-            runner.capture(key, STEPS)
+            capture.capture(key, STEPS)
         log(f"{len(plan)} graphs captured through the plan: "
-            f"{runner.warm_ups_skipped} warm-ups skipped")
+            f"{capture.warm_ups_skipped} warm-ups skipped")
     out, rtc_out, times, from_host = {}, {}, {}, {}
     for b in batches:
         inputs, noise = make_inputs(b, model.config.vlm.vocab_size, seed=b, device=device)
@@ -402,7 +403,7 @@ def served_actions(smoke: bool, device: str, through_plan: bool = False) -> dict
     result = {"actions": out, "rtc_actions": rtc_out, "p50_ms": times, "from_host_bit_identical": from_host}
     if planned:  # every call ran on the plan's graphs
         assert runner.uncaptured_calls == 0 and runner.request_path_captures == 0, vars(runner)
-        return {**result, "through_plan": True, "warm_ups_skipped": runner.warm_ups_skipped}
+        return {**result, "through_plan": True, "warm_ups_skipped": capture.warm_ups_skipped}
     return result
 
 

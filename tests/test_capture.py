@@ -1,5 +1,5 @@
 """Serving from the first captured CUDA graph (startup/: the plan, its captures and the runtime's gate
-meanwhile; runtime/graph_keys.py `route`; FastRunner.capture / launch): the capture plan's order and completeness, how a batch runs while its own graphs
+meanwhile, startup/capture.py; runtime/graph_keys.py `route`): the capture plan's order and completeness, how a batch runs while its own graphs
 are not captured yet, and the states warming_up -> capturing -> ready.
 
 CUDA graphs need a GPU. Here the real FastRunner runs on the CPU with the stock kernels, and a
@@ -23,7 +23,8 @@ from vlaserve.errors import NotServing
 from vlaserve.types import RTCGuidance
 from vlaserve.runtime.graph_keys import GraphKey, route
 from vlaserve.startup.plan import capture_plan
-from vlaserve.runtime.graphs import WARMUP_STEPS, FastRunner
+from vlaserve.runtime.graphs import FastRunner
+from vlaserve.startup.capture import WARMUP_STEPS, GraphCapture
 from vlaserve.runtime.graphs import _Graph as CUDAGraphCapture
 from vlaserve.runtime.runner import Runtime
 from vlaserve.startup.engine import CAPTURE_SWITCH_INTERVAL_S, Startup, start
@@ -121,32 +122,41 @@ class _HostEvent:
 
 
 class SlowCaptureRunner(FastRunner):
-    """The real FastRunner (buffers, routing, capture bookkeeping) on the CPU's stock kernels; each
-    capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little. The stock
-    kernels are no Triton kernels, so a capture could not tell a new one (`loaded_kernels_only`): every
-    kernel signature warms up before its first capture, as with a CuTe library."""
+    """The real FastRunner (buffers, routing, graph stores) on the CPU's stock kernels, its graphs the
+    stand-ins above; it counts its warm-ups."""
 
-    def __init__(self, policy, gate=None, fail_at: str | None = None, turns=None):
-        super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, turns=turns)
-        self.use_graphs, self.gate, self.fail_at = True, gate, fail_at
+    def __init__(self, policy, lock=None):
+        super().__init__(policy.model, policy.config, use_graphs=False, use_triton=False, lock=lock)
+        self.use_graphs = True
         self.warm_up_runs = 0  # every warm-up run, SigLIP's attention's among them
         self.attention_images: list[int] = []  # the image counts SigLIP's attention warmed up at
         attention = self.fast.warm_vision_attention
         self.fast.warm_vision_attention = lambda n: (self.attention_images.append(n), attention(n))
 
-    def _warm_up(self, fn, runs):
+    def warm_up(self, fn, runs):
         for _ in range(runs):
             fn()
         self.warm_up_runs += runs
 
-    def _new_graph(self, fn):
+    def new_graph(self, fn):
         return _Graph(fn)
-
-    def _captures_first(self):
-        return False
 
     def _events(self):
         return _HostEvent(), _HostEvent(), _HostEvent()
+
+
+class SlowCapture(GraphCapture):
+    """The real GraphCapture (warm-ups, scratch buffers, bookkeeping) into a SlowCaptureRunner; each
+    capture first waits on `gate` (a slow warm-up the test controls), else sleeps a little. The stock
+    kernels are no Triton kernels, so a capture could not tell a new one (`loaded_kernels_only`): every
+    kernel signature warms up before its first capture, as with a CuTe library."""
+
+    def __init__(self, runner, turns=None, gate=None, fail_at: str | None = None):
+        super().__init__(runner, turns)
+        self.gate, self.fail_at = gate, fail_at
+
+    def _captures_first(self):
+        return False
 
     def capture(self, key, num_steps):
         if str(key) == self.fail_at:
@@ -186,10 +196,11 @@ def batch1_runner(golden_policy):
     """A runner whose plan got as far as batch 1 (every layout, RTC), with sizes up to 8 planned."""
     config = golden_policy.config
     runner = SlowCaptureRunner(golden_policy)
+    capture = SlowCapture(runner)
     plan = capture_plan(tuple(range(1, 9)), (config.max_token_len,), len(config.cameras))
     batch_1 = [key for key in plan if key.batch == 1]
     for key in batch_1:
-        runner.capture(key, config.num_inference_steps)
+        capture.capture(key, config.num_inference_steps)
     assert len(batch_1) == runner.captures == 5
     return runner
 
@@ -231,30 +242,31 @@ class _EmptyPool:
 
 
 def test_recording_kernels_runs_each_signature_once_before_its_warm_up(golden_policy):
-    """FastRunner.record_kernels's dry runs: one per warm-up signature not warmed up yet (the camera
+    """GraphCapture.record_kernels's dry runs: one per warm-up signature not warmed up yet (the camera
     layouts share the prefix's), none for what a warm-up already ran; the stock kernels here
     are no Triton kernels, so nothing is recorded to compile."""
     runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
+    capture = SlowCapture(runner)
     steps = config.num_inference_steps
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
     batch1 = [k for k in plan if k.batch == 1]
     pool = _EmptyPool()
-    assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
+    assert pool.compile(capture.record_kernels(batch1, steps, pool)) == 0
     assert runner.warm_up_runs == 3  # the prefix, the Euler steps, the Euler steps with RTC
     for key in batch1:
-        runner.capture(key, steps)
+        capture.capture(key, steps)
     # the warm-ups still run (now without compiling), SigLIP's attention at 3, 2 and 1 images, and the
     # frames' conversion once (runtime/transfer.py `BytesIn`)
     assert runner.warm_up_runs == 6 + len(config.cameras) + 1
-    assert pool.compile(runner.record_kernels(batch1, steps, pool)) == 0
+    assert pool.compile(capture.record_kernels(batch1, steps, pool)) == 0
     assert runner.warm_up_runs == 6 + len(config.cameras) + 1
 
 
 def test_a_batch_pads_to_a_captured_size_within_twice_its_rows(golden_policy, batch1_runner):
     runner, config = SlowCaptureRunner(golden_policy), golden_policy.config
-    steps = config.num_inference_steps
+    steps, capture = config.num_inference_steps, SlowCapture(runner)
     for key in capture_plan((1, 4), (config.max_token_len,), len(config.cameras)):
-        runner.capture(key, steps)
+        capture.capture(key, steps)
     inputs, noise = _batch(config, 3, seed=1)
     out, _ = runner.dispatch(inputs, noise, steps)
     assert runner.padded_calls == 1 and runner.split_calls == 0 and runner.uncaptured_calls == 0
@@ -270,10 +282,11 @@ def test_one_warm_up_per_kernel_signature(golden_policy):
     plan = capture_plan((1, 2), (96, config.max_token_len), len(config.cameras))
     steps_run = []
     runner = SlowCaptureRunner(golden_policy)
+    capture = SlowCapture(runner)
     schedule = runner.fast.schedule
     runner.fast.schedule = lambda n: (steps_run.append(n), schedule(n))[1]
     for key in plan:
-        warm_s, capture_s = runner.capture(key, config.num_inference_steps)
+        warm_s, capture_s = capture.capture(key, config.num_inference_steps)
         assert warm_s >= 0 and capture_s > 0
     assert runner.captures == len(plan) == 20
     # SigLIP's attention once per image count, before the first capture that meets it (3 cameras;
@@ -300,20 +313,20 @@ def test_warm_ups_take_the_device_in_turn_and_recordings_hold_no_lock(golden_pol
     turns = CountingTurns()
 
     class WatchedRunner(SlowCaptureRunner):
-        def _warm_up(self, fn, runs):
+        def warm_up(self, fn, runs):
             seen.append(("warm-up", turns.lock._is_owned()))
-            super()._warm_up(fn, runs)
+            super().warm_up(fn, runs)
 
-        def _new_graph(self, fn):
+        def new_graph(self, fn):
             # (a batch size's first prefix graph is followed by its frames' conversion's, runtime/transfer.py `BytesIn`)
             kind = "conversion recorded" if fn.__qualname__.startswith("BytesIn.") else "recorded"
             seen.append((kind, turns.lock._is_owned(), len(self._prefix_graphs) + len(self._denoise_graphs)))
-            return super()._new_graph(fn)
+            return super().new_graph(fn)
 
-    runner = WatchedRunner(golden_policy, turns=turns)
+    capture = SlowCapture(WatchedRunner(golden_policy, lock=turns.lock), turns)
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
     for i, key in enumerate(plan):
-        runner.capture(key, config.num_inference_steps)
+        capture.capture(key, config.num_inference_steps)
         assert not any(step[1] for step in seen if step[0].endswith("recorded"))  # without the lock
         assert [step for step in seen if step[0] == "recorded"][-1] == ("recorded", False, i)  # stored only after
     warm_ups = [j for j, step in enumerate(seen) if step[0] == "warm-up"]
@@ -367,15 +380,15 @@ def test_on_a_gpu_another_thread_launches_queries_and_waits_while_a_graph_record
 # --- Runtime: the states, and requests that arrive before batch 1 is captured ------------------
 
 
-def _serve(policy, background: bool = True, sizes=(1, 2), weights_pending: bool = False, **runner_options):
+def _serve(policy, background: bool = True, sizes=(1, 2), weights_pending: bool = False, **capture_options):
     """A fresh Runtime serving a SlowCaptureRunner while its start-up captures the plan of `sizes`."""
     config = policy.config
     runtime = Runtime(policy.model, config, RuntimeConfig(device="cpu", dtype="float32"), torch.device("cpu"),
                       torch.float32, "test")
     startup = Startup(runtime)
-    runner = SlowCaptureRunner(policy, turns=startup.turns, **runner_options)  # as startup.engine.start builds it
+    runner = SlowCaptureRunner(policy, lock=startup.turns.lock)  # as startup.engine.start builds it
     plan = capture_plan(sizes, (config.max_token_len,), len(config.cameras))
-    startup.begin(runner, plan, config.num_inference_steps, background=background, weights_pending=weights_pending)
+    startup.begin(SlowCapture(runner, startup.turns, **capture_options), plan, config.num_inference_steps, background=background, weights_pending=weights_pending)
     return runtime, runner, plan, startup
 
 
@@ -515,10 +528,10 @@ def test_weights_pending_needs_the_background_warm_up_and_the_fast_path(golden_p
     runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
                       torch.device("cpu"), torch.float32, "test")
     startup = Startup(runtime)
-    runner = SlowCaptureRunner(golden_policy, turns=startup.turns)
+    capture = SlowCapture(SlowCaptureRunner(golden_policy, lock=startup.turns.lock), startup.turns)
     plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
     with pytest.raises(ValueError, match="background"):
-        startup.begin(runner, plan, 10, background=False, weights_pending=True)
+        startup.begin(capture, plan, 10, background=False, weights_pending=True)
     with pytest.raises(ValueError, match="fast path"):  # a CPU device has no CUDA fast path
         start(runtime, weights_pending=True)
     assert start(runtime) is None and runtime.state == "ready"  # the eager model: nothing to start
@@ -554,7 +567,7 @@ def test_the_interpreter_switches_threads_often_while_graphs_are_captured_and_as
     CAPTURE_SWITCH_INTERVAL_S; after it, whatever it was, also when a capture fails."""
     seen = []
 
-    class Watched(SlowCaptureRunner):
+    class Watched(SlowCapture):
         def capture(self, key, num_steps):
             seen.append(sys.getswitchinterval())
             return super().capture(key, num_steps)
@@ -565,9 +578,9 @@ def test_the_interpreter_switches_threads_often_while_graphs_are_captured_and_as
         runtime = Runtime(golden_policy.model, golden_policy.config, RuntimeConfig(device="cpu", dtype="float32"),
                           torch.device("cpu"), torch.float32, "test")
         startup = Startup(runtime)
-        runner = Watched(golden_policy, turns=startup.turns, fail_at=fail_at)
+        capture = Watched(SlowCaptureRunner(golden_policy, lock=startup.turns.lock), startup.turns, fail_at=fail_at)
         plan = capture_plan((1,), (golden_policy.config.max_token_len,), len(golden_policy.config.cameras))
-        startup.begin(runner, plan, golden_policy.config.num_inference_steps, background=True)
+        startup.begin(capture, plan, golden_policy.config.num_inference_steps, background=True)
         _join_capture_thread()
         assert seen and set(seen) == {CAPTURE_SWITCH_INTERVAL_S} and sys.getswitchinterval() == before
         seen.clear()

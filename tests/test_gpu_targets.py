@@ -488,7 +488,7 @@ def test_a_two_step_warm_up_compiles_every_kernel_of_the_call():
     device lock. One step would not do: Pi0.5's fused action step between two steps is missed."""
     from vlaserve.model.pi0 import Pi0Model
     from vlaserve.model.pi05 import Pi05Model
-    from vlaserve.runtime.graphs import WARMUP_STEPS
+    from vlaserve.startup.capture import WARMUP_STEPS
 
     config = ModelConfig.full_size()
     with torch.device("meta"):

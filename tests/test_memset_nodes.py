@@ -266,6 +266,7 @@ def test_the_runner_reports_what_its_graphs_edits_did(golden_policy, monkeypatch
     captured of the memsets each replaced, those it left and the seconds its edit took; a graph that raises while
     recording (a dropped capture) adds nothing. The graphs here are stand-ins reporting fixed figures."""
     from vlaserve.runtime import graphs as graphs_module
+    from vlaserve.runtime.fast.precompile import KernelNotLoaded
 
     reports = iter([(44, 0, 0.25), (0, 0, 0.5), (3, 1, 0.125)])
 
@@ -275,13 +276,13 @@ def test_the_runner_reports_what_its_graphs_edits_did(golden_policy, monkeypatch
             self.memsets_replaced, self.memsets_left, self.edit_s = next(reports)
 
     def dropped():
-        raise graphs_module.KernelNotLoaded("a kernel not loaded yet")
+        raise KernelNotLoaded("a kernel not loaded yet")
 
     monkeypatch.setattr(graphs_module, "_Graph", Reporting)
     runner = graphs_module.FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False)
     assert runner.memset_nodes == {"replaced": 0, "left": 0, "edit_s": 0.0}
     for _ in range(3):
-        runner._new_graph(lambda: None)
-    with pytest.raises(graphs_module.KernelNotLoaded):
-        runner._new_graph(dropped)
+        runner.new_graph(lambda: None)
+    with pytest.raises(KernelNotLoaded):
+        runner.new_graph(dropped)
     assert runner.memset_nodes == {"replaced": 47, "left": 1, "edit_s": 0.875}

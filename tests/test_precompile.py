@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from vlaserve.runtime import compile_cache
 from vlaserve.startup.plan import capture_plan
 from vlaserve.runtime.graphs import FastRunner
+from vlaserve.startup.capture import GraphCapture
 from vlaserve.runtime.fast.kernels import launch_options
 from vlaserve.runtime.fast.precompile import (CompilePool, KernelNotLoaded, KernelRecorder, compile_workers,
                                               build_launcher, hash_triton_ahead, loaded_kernels_only)
@@ -219,10 +221,10 @@ def test_a_launch_of_a_kernel_not_loaded_here_raises_before_anything_compiles(sm
 
 
 def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
-    """The real FastRunner.capture (the CPU stand-ins of
+    """The real GraphCapture.capture (the CPU stand-ins of
     test_capture.py), each call also launching real Triton kernels: a warm-up runs where a capture
     meets a kernel not loaded, and only there; nothing compiles inside a capture."""
-    from test_capture import SlowCaptureRunner
+    from test_capture import SlowCapture, SlowCaptureRunner
 
     config = golden_policy.config
     plan = capture_plan((1, 2), (config.max_token_len,), len(config.cameras))
@@ -234,52 +236,56 @@ def test_a_capture_goes_first_where_every_kernel_is_loaded(golden_policy, sm90):
         """A call launches its kernels through Triton's warm-up entry: a warm-up compiles and loads
         them; a capture meets them, loaded or not."""
 
-        _captures_first = FastRunner._captures_first  # these calls launch Triton kernels
+        key = None  # the key being captured
 
-        def capture(self, key, num_steps):
-            self.key = key
-            return super().capture(key, num_steps)
-
-        def _warm_up_call(self, key, num_steps):
-            call = super()._warm_up_call(key, num_steps)
-            return lambda: (self.launch(key), call())[1]
-
-        def _new_graph(self, fn):
+        def new_graph(self, fn):
             compiled = len(sm90)
             self.launch(self.key)  # a capture records the call's launches
             assert len(sm90) == compiled, "a kernel compiled inside a capture"
-            return super()._new_graph(fn)
+            return super().new_graph(fn)
 
         def launch(self, key):
             x = torch.empty(64)
             for block in blocks[(key.is_prefix, key.batch, key.rtc)]:
                 _copy.warmup(x, x, 64, BLOCK=block, grid=(1,), **OPTIONS)
 
+    class CaptureOfKernels(SlowCapture):
+        _captures_first = GraphCapture._captures_first  # these calls launch Triton kernels
+
+        def capture(self, key, num_steps):
+            self.runner.key = key
+            return super().capture(key, num_steps)
+
+        def _warm_up_call(self, key, num_steps):
+            call = super()._warm_up_call(key, num_steps)
+            return lambda: (self.runner.launch(key), call())[1]
+
     _copy.device_caches.clear()  # nothing loaded in the "process"
     sm90.clear()
     runner = KernelsPerCall(golden_policy)
+    capture = CaptureOfKernels(runner)
     for key in plan:
-        warm_s, capture_s = runner.capture(key, config.num_inference_steps)
+        warm_s, capture_s = capture.capture(key, config.num_inference_steps)
         assert warm_s >= 0 and capture_s > 0
     assert runner.captures == len(plan) and len(sm90) == 4  # each kernel compiled once
     # b1's prefix warms up first (nothing has); b1's Euler steps with and without RTC and b2's
     # without meet a new BLOCK; b2's prefix and its Euler steps with RTC launch loaded ones only (of
     # the 6 signatures, 2 skip their warm-up); the frames' conversion (torch's kernels) warms up once
-    assert (runner.warm_up_runs - len(runner.attention_images), runner.warm_ups_skipped) == (5, 2)
+    assert (runner.warm_up_runs - len(runner.attention_images), capture.warm_ups_skipped) == (5, 2)
 
 
 def test_a_cute_library_warms_every_signature_up_first(golden_policy):
-    def new_runner():
-        return FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False)
+    def new_capture():
+        return GraphCapture(FastRunner(golden_policy.model, golden_policy.config, use_graphs=False, use_triton=False))
 
-    runner = new_runner()
-    assert not runner._captures_first()  # before the first warm-up
-    runner._warmed.add(("prefix", 1, 48, None))
-    assert runner._captures_first()
+    capture = new_capture()
+    assert not capture._captures_first()  # before the first warm-up
+    capture._warmed.add(("prefix", 1, 48, None))
+    assert capture._captures_first()
     for library in ("gemm_library", "attention_library"):  # CuTe DSL kernels compile per shape, unseen by Triton
-        quack = new_runner()
+        quack = new_capture()
         quack._warmed.add(("prefix", 1, 48, None))
-        setattr(quack, library, "quack" if library == "gemm_library" else "fa4")
+        setattr(quack.runner, library, "quack" if library == "gemm_library" else "fa4")
         assert not quack._captures_first()
 
 
@@ -362,12 +368,16 @@ def test_an_empty_cache_is_one_without_a_single_entry(tmp_path):
 
 
 class _Recording:
-    """A runner stand-in that records the order of kernel recordings and captures."""
+    """A graph capture's stand-in (startup/capture.py) that records the order of kernel recordings and captures."""
 
-    warm_ups_skipped, memset_nodes = 0, {"replaced": 0, "left": 0, "edit_s": 0.0}  # what start-up reports of it
+    warm_ups_skipped = 0  # what start-up reports of it, with its runner's memset_nodes
 
     def __init__(self):
         self.events = []
+        self.runner = SimpleNamespace(memset_nodes={"replaced": 0, "left": 0, "edit_s": 0.0})
+
+    def release_scratch(self):
+        pass
 
     def record_kernels(self, keys, num_steps, pool):
         self.events.append(("record", tuple(keys), pool))
@@ -403,17 +413,17 @@ def test_the_graphs_serving_waits_for_then_each_batch_size_compile_together_befo
     from vlaserve.runtime.runner import Runtime
     from vlaserve.startup.engine import Startup
 
-    runner = _Recording()
+    capture = _Recording()
     runtime = Runtime(golden_policy.model, golden_policy.config, golden_policy.runtime.settings,
                       torch.device("cpu"), torch.float32, "test")
     plan = capture_plan((1, 2, 4), (48, 96), 2)
-    pool = _Pool(runner.events) if with_pool else None
+    pool = _Pool(capture.events) if with_pool else None
     with caplog.at_level("INFO", logger="vlaserve.startup.engine"):
-        Startup(runtime).begin(runner, plan, 10, background=False, compile_pool=pool)
-    captures = [e[1] for e in runner.events if e[0] == "capture"]
+        Startup(runtime).begin(capture, plan, 10, background=False, compile_pool=pool)
+    captures = [e[1] for e in capture.events if e[0] == "capture"]
     assert captures == plan
     if not with_pool:
-        assert [e for e in runner.events if e[0] != "capture"] == []
+        assert [e for e in capture.events if e[0] != "capture"] == []
         return
     # first batch 1's common call, its prefix and Euler steps (what serving waits for: the first action waits
     # for their kernels only), then each batch size's keys, each group compiled right before its first capture
@@ -422,17 +432,17 @@ def test_the_graphs_serving_waits_for_then_each_batch_size_compile_together_befo
     group = {b: tuple(k for k in plan if k.batch == b) for b in (1, 2, 4)}
     # the largest size's group (its common call follows serving's) is recorded right after serving's, so its
     # kernels queue behind serving's and compile while serving's warm up and capture
-    assert runner.events[:5] == [("record", serving, pool), ("record", group[4], pool), ("compile", serving),
+    assert capture.events[:5] == [("record", serving, pool), ("record", group[4], pool), ("compile", serving),
                                  ("capture", plan[0]), ("capture", plan[1])]
-    compiles = [(i, e[1]) for i, e in enumerate(runner.events) if e[0] == "compile"]
+    compiles = [(i, e[1]) for i, e in enumerate(capture.events) if e[0] == "compile"]
     assert [keys for _, keys in compiles] == [serving, group[4], group[1], group[2]]
     for i, keys in compiles[1:]:  # each right before the first of its keys still to capture
         first_left = next(k for k in keys if k not in serving)
-        assert runner.events[i + 1] == ("capture", first_left)
-    records = [e[1] for e in runner.events if e[0] == "record"]
+        assert capture.events[i + 1] == ("capture", first_left)
+    records = [e[1] for e in capture.events if e[0] == "record"]
     assert records == [serving, group[4], group[1], group[2]]  # each group recorded once
     for keys in (group[1], group[2]):  # the later groups recorded right before their compile
-        assert runner.events.index(("compile", keys)) == runner.events.index(("record", keys, pool)) + 1
+        assert capture.events.index(("compile", keys)) == capture.events.index(("record", keys, pool)) + 1
     assert pool.closed
     graphs = runtime.stats()["graphs"]
     assert graphs["kernels_compiled_ahead"] == 28 and graphs["compile_ahead_s"] >= 0

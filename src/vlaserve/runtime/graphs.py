@@ -6,8 +6,8 @@ events between them.
 `FastRunner.dispatch` is: pick the buffers, copy the inputs in, replay (a batch size not captured
 for this shape runs as captured ones: padded or split, runtime/graph_keys.py `route`; the offload
 profile's prefix runs the same kernels without a graph), and return without waiting; `sample` also
-waits, and copies the actions out. Which graphs are captured, and when, is the caller's
-(`capture`, one at a time, in start-up's plan, startup/plan.py: RuntimeConfig.graph_sizes x prompt
+waits, and copies the actions out. Which graphs are captured, and when, is start-up's
+(startup/capture.py, one at a time, in its plan, startup/plan.py: RuntimeConfig.graph_sizes x prompt
 lengths x camera layouts x RTC).
 """
 
@@ -30,15 +30,6 @@ from .fast.launch_tables import SM90, LaunchTable
 from .fast.memset_nodes import memsets_as_kernels
 from .fast.model import StaticRTC
 from .fast.pi0 import FastPi0, fast_model
-from .fast.precompile import CompilePool, KernelNotLoaded, KernelRecorder, loaded_kernels_only
-
-# A warm-up runs the Euler loop for this many steps, not the call's: every step launches the same
-# kernel specializations except the first and the last (Pi0.5's fused action step with and without
-# the next step's input), so two steps compile and load everything the call's ten do
-# (tests/test_gpu_targets.py checks it for every batch size, both families, with and without RTC)
-# at a fifth of the host work.
-WARMUP_STEPS = 2
-
 
 class _Graph:
     """One captured call. A capture records and runs nothing: the kernels it records must have run
@@ -112,33 +103,22 @@ class PartTimes:
         return {"prefix_ms": prefix, "denoise_ms": total - prefix, **gap}
 
 
-class _OwnTurns:
-    """A runner's device turns where no start-up hands it its own (benchmarks, tests): a lock, taken at once."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-
-    def warm_up(self):
-        return self.lock
-
-
 class FastRunner:
     """Runs batches through the fast path (FastPi05, or FastPi0): fused weights, Triton kernels, CUDA graphs.
 
     With a `layer_stream` (offload) the prefix runs the same kernels outside graphs, as its weights
     arrive layer by layer; the Euler steps stay in graphs.
 
-    `capture` takes one graph of a plan (startup/plan.py) at a time, beside serving: its warm-up
-    runs on scratch buffers of the same shapes (never on the static buffers a served graph reads),
-    only where the capture meets a kernel not loaded yet, holding the device when `turns` allows;
-    the recording holds nothing. From the first `capture` on the
-    request path never captures: a batch whose graphs are not captured (yet) runs on captured
-    sizes of its shape (`route`: padded, or split), and only a shape with none runs without graphs
-    (counted in `uncaptured_calls`).
+    Graphs come from a plan, one at a time, by start-up (startup/capture.py, through `call_of`,
+    `warm_up`, `new_graph` and `add_graph`). From a plan's first graph on the request path never
+    captures: a batch whose graphs are not captured (yet) runs on captured sizes of its shape
+    (`route`: padded, or split), and only a shape with none runs without graphs (counted in
+    `uncaptured_calls`). A runner without a plan (benchmarks, tests) captures a call's graphs the
+    first time it runs.
     """
 
     def __init__(self, model: Pi05Model, config: PolicyConfig, use_graphs: bool = True, use_triton: bool = True,
-                 turns=None, layer_stream=None, gemm_library: str = "cublas",
+                 lock: threading.RLock | None = None, layer_stream=None, gemm_library: str = "cublas",
                  attention_library: str = "triton", launch_table: LaunchTable = SM90):
         self.fast = fast_model(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                                attention_library=attention_library, launch_table=launch_table)
@@ -148,21 +128,17 @@ class FastRunner:
         self.use_graphs = use_graphs
         self.gemm_library, self.attention_library = gemm_library, attention_library
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._capture_stream = torch.cuda.Stream() if use_graphs else None
-        # The device lock, and when a warm-up takes it: start-up's (startup/turns.py), else the runner's own lock.
-        self._turns = turns if turns is not None else _OwnTurns()
+        self.capture_stream = torch.cuda.Stream() if use_graphs else None
+        # The device lock (the runtime's, from start-up): the offload profile's prefix streams its layers
+        # through shared slots, one call at a time.
+        self._lock = lock if lock is not None else threading.RLock()
         self._buffers: dict[tuple, dict] = {}
-        self._scratch: dict[tuple, object] = {}  # warm-up buffers of the batch size being captured
-        self._scratch_batch = 0
-        self._warmed: set[tuple] = set()  # kernel signatures a warm-up has run (or a capture, every kernel loaded)
-        self._vision_attention_warmed: set[int] = set()  # image counts SigLIP's attention ran at
         self._rtc: dict[tuple, StaticRTC] = {}
         self._prefix_graphs: dict[tuple, _Graph] = {}
         self._bytes_in: dict[int, BytesIn] = {}  # per batch size, captured after its first prefix graph
         self._denoise_graphs: dict[tuple, _Graph] = {}
-        self.frozen = False  # captures only through `capture` (a plan), never on the request path
+        self.frozen = False  # graphs only from a plan (`plan_batch`), never captured on the request path
         self.captures = 0
-        self.warm_ups_skipped = 0  # signatures captured first, every kernel loaded
         # The libraries' memset nodes made fill kernels in the graphs captured, those no fill kernel
         # covers, and the seconds the edits took.
         self.memset_nodes = {"replaced": 0, "left": 0, "edit_s": 0.0}
@@ -170,24 +146,24 @@ class FastRunner:
         self.uncaptured_calls = 0
         self.padded_calls = 0  # batches run padded to a larger captured size (`route`)
         self.split_calls = 0  # batches run as several captured sizes while graphs are being captured
-        self._sizes: set[int] = set()  # the batch sizes `capture` was given
+        self._sizes: set[int] = set()  # the batch sizes of the plan
         self._last_rows: list = []  # per item of the last call: (buffers, row), or its prefix entry copied
         self._last_end: torch.cuda.Event | None = None  # the last call's end (EventTimes.previous)
 
-    def _buffer_set(self, store: dict, b: int, token_len: int) -> dict:
+    def buffer_set(self, store: dict, b: int, token_len: int) -> dict:
         if (b, token_len) not in store:
             spec = BufferSpec.of(self.config, b, self.fast.dtype, token_len, self.state_dim)
             full = self.config.max_token_len
-            store[(b, token_len)] = (spec.views(self._buffer_set(store, b, full)) if token_len < full
+            store[(b, token_len)] = (spec.views(self.buffer_set(store, b, full)) if token_len < full
                                      else spec.allocate(self.device))
         return store[(b, token_len)]
 
     def buffers(self, b: int, token_len: int) -> dict:
         """The static buffers of batch size b: allocated at the checkpoint's prompt length, views of
         those for a shorter one (a prompt bucket; the calls of one runner run in stream order)."""
-        return self._buffer_set(self._buffers, b, token_len)
+        return self.buffer_set(self._buffers, b, token_len)
 
-    def _rtc_buffers(self, b: int, token_len: int, num_steps: int, store: dict | None = None) -> StaticRTC:
+    def rtc_buffers(self, b: int, token_len: int, num_steps: int, store: dict | None = None) -> StaticRTC:
         store = self._rtc if store is None else store
         key = ("rtc", b, token_len, num_steps)
         if key not in store:
@@ -195,19 +171,19 @@ class FastRunner:
                                             num_steps, self.device)
         return store[key]
 
-    def _warm_up(self, fn, runs: int) -> None:
+    def warm_up(self, fn, runs: int) -> None:
         """Runs `fn` on the capture stream (compiling its kernels, creating the library handles a
         capture needs), and waits for it on the host only: serving's stream never waits."""
-        stream = self._capture_stream
+        stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(runs):
                 fn()
         stream.synchronize()
 
-    def _new_graph(self, fn) -> _Graph:
+    def new_graph(self, fn) -> _Graph:
         edited = self.memset_nodes
-        graph = _Graph(fn, self._pool, self._capture_stream)
+        graph = _Graph(fn, self._pool, self.capture_stream)
         edited["replaced"] += graph.memsets_replaced
         edited["left"] += graph.memsets_left
         edited["edit_s"] += graph.edit_s
@@ -218,8 +194,8 @@ class FastRunner:
             if self.frozen:
                 self.uncaptured_calls += 1
                 return fn()
-            self._warm_up(fn, 2)  # a runner without a plan (benchmarks, tests): on its own buffers
-            graphs[key] = self._new_graph(fn)
+            self.warm_up(fn, 2)  # a runner without a plan (benchmarks, tests): on its own buffers
+            graphs[key] = self.new_graph(fn)
             self.captures += 1
             self.request_path_captures += 1
         return graphs[key].replay()
@@ -245,7 +221,7 @@ class FastRunner:
     def _prefix(self, buf, vision_slots: int, graphs: bool):
         run = self._prefix_fn(buf, vision_slots)
         if self.fast.layer_stream is not None:
-            with self._turns.lock:  # every call streams its layers through the same slots: one at a time
+            with self._lock:  # every call streams its layers through the same slots: one at a time
                 return run()
         if graphs:
             return self._graphed(self._prefix_graphs, (*buf["tokens"].shape, vision_slots), run)
@@ -259,102 +235,17 @@ class FastRunner:
         return run()
 
     def _static_rtc(self, b: int, token_len: int, num_steps: int, rtc: RTCGuidance) -> StaticRTC:
-        static = self._rtc_buffers(b, token_len, num_steps)
+        static = self.rtc_buffers(b, token_len, num_steps)
         static.fill(rtc, self.fast.schedule(num_steps).times)
         return static
 
-    @torch.no_grad()
-    def capture(self, key: GraphKey, num_steps: int) -> tuple[float, float]:
-        """Captures one graph of a plan -> seconds (warm-up, capture). The warm-up (where this kernel signature has
-        not run: the prefix once per batch size and length, at the plan's first camera layout; the Euler steps
-        once per batch size, length and RTC, WARMUP_STEPS of them) runs on scratch buffers, so a graph served
-        meanwhile never reads half-written inputs, and takes the device (`turns.warm_up`: the device lock, when
-        serving leaves room): no batch is launched while a kernel compiles or loads (with warm-ups outside the
-        lock, serving beside captures stalled). The recording, on the static
-        buffers, runs nothing and holds nothing (`_Graph`): served batches launch meanwhile. A batch size's
-        scratch buffers go when the plan moves to another size.
-
-        The graph enters its store, where `dispatch` finds it, once it can be replayed; its shape's static buffers
-        are made here before that, so serving, which reaches a shape only through a stored graph, never makes
-        them at the same time.
-
-        After the first warm-up a signature's capture goes first, and its warm-up runs only if the capture
-        meets a Triton kernel this process has not loaded (the capture stops there and is dropped; nothing of
-        it ran): most of a plan's signatures launch no kernel an earlier one did not. What a warm-up does
-        besides loading kernels (library handles, the capture stream's workspaces) the first one does, and it
-        always runs."""
+    def plan_batch(self, b: int) -> None:
+        """A plan's graphs are coming for batch size b (start-up): from now on graphs come from the plan
+        only, never from the request path."""
         self.frozen = True
-        self._sizes.add(key.batch)
-        if not self.use_graphs or (key.is_prefix and self.fast.layer_stream is not None):
-            return 0.0, 0.0  # nothing to capture: no graphs, or the offload profile's prefix
-        b, length = key.batch, key.length
-        started = time.perf_counter()
-        graphs, graph_key, signature, make = self._call_of(key, num_steps)
-        if graph_key in graphs:
-            return 0.0, 0.0
+        self._sizes.add(b)
 
-        def served_call():  # on the static buffers the graph will read
-            return make(self.buffers(b, length), self._rtc_buffers(b, length, num_steps))
-
-        if key.is_prefix:
-            self._warm_vision_attention(b * key.slots)
-        runs = int(signature not in self._warmed)
-        graph = None
-        if runs and self._captures_first():
-            attempt = time.perf_counter()
-            graph = self._capture_if_loaded(served_call())  # (a dropped attempt counts as warm-up time)
-            self.warm_ups_skipped += graph is not None
-        if runs and graph is None:
-            with self._turns.warm_up():
-                self._warm_up(self._warm_up_call(key, num_steps), runs)
-        self._warmed.add(signature)
-        warmed = attempt if graph is not None else time.perf_counter()
-        graphs[graph_key] = graph if graph is not None else self._new_graph(served_call())
-        self.captures += 1
-        if key.is_prefix and b not in self._bytes_in:
-            self._bytes_in[b] = self._capture_bytes_in(b, length, num_steps)
-        return warmed - started, time.perf_counter() - warmed
-
-    def _capture_bytes_in(self, b: int, length: int, num_steps: int) -> BytesIn:
-        """Batch size b's `BytesIn`; the first one's conversion runs once before, on scratch buffers, to load
-        torch's kernels outside a capture (every batch size launches the same three: one dtype, one layout)."""
-        if not self._bytes_in:
-            scratch = self._scratch_of(b, length, num_steps)[0]
-            with self._turns.warm_up():
-                self._warm_up(BytesIn.conversion(scratch), 1)
-        return BytesIn(self.buffers(b, length), self._new_graph)
-
-    def _captures_first(self) -> bool:
-        """Whether a capture may go before its warm-up: once a warm-up has run, and only with Triton's and
-        cuBLAS's kernels (a CuTe library compiles per shape, unseen by Triton)."""
-        return bool(self._warmed) and self.gemm_library == "cublas" and self.attention_library == "triton"
-
-    def _capture_if_loaded(self, fn) -> _Graph | None:
-        """The graph of `fn`, or None if it launches a Triton kernel not loaded in this process yet
-        (the capture stops at that launch and is dropped: a captured graph runs nothing until it is
-        replayed, so nothing was written)."""
-        try:
-            with loaded_kernels_only():
-                return self._new_graph(fn)
-        except KernelNotLoaded:
-            return None
-
-    def _warm_vision_attention(self, images: int) -> None:
-        """SigLIP's attention at this image count, once, before the first capture that calls it. A
-        camera layout's prefix warms up at the plan's first layout only (the same kernels), but torch's
-        scaled_dot_product_attention, meeting a shape inside a capture with no eager call at it
-        before, is slow there (milliseconds a call, 27 calls a prefix, at every prompt length)."""
-        if images not in self._vision_attention_warmed:
-            with self._turns.warm_up():
-                self._warm_up(lambda: self.fast.warm_vision_attention(images), 1)
-            self._vision_attention_warmed.add(images)
-
-    def _warm_up_call(self, key: GraphKey, num_steps: int):
-        """The call a warm-up of `key` runs: on scratch buffers, with WARMUP_STEPS Euler steps."""
-        steps = min(num_steps, WARMUP_STEPS)
-        return self._call_of(key, steps)[3](*self._scratch_of(key.batch, key.length, steps))
-
-    def _call_of(self, key: GraphKey, num_steps: int):
+    def call_of(self, key: GraphKey, num_steps: int):
         """-> (its graph store, its key there, its warm-up signature, make(buffers, rtc) -> the call)."""
         b, length = key.batch, key.length
         if key.is_prefix:
@@ -367,44 +258,27 @@ class FastRunner:
         return (self._denoise_graphs, (b, length, num_steps, key.rtc), ("denoise", b, length, key.rtc),
                 lambda buf, rtc: self._denoise_fn(buf, num_steps, rtc if key.rtc else None))
 
-    def _scratch_of(self, b: int, length: int, num_steps: int):
-        """The warm-up buffers of batch size b (the previous size's go): (buffers, rtc buffers)."""
-        if self._scratch_batch != b:
-            self._scratch, self._scratch_batch = {}, b
-        with torch.cuda.stream(self._capture_stream):  # allocated where they are used
-            return (self._buffer_set(self._scratch, b, length),
-                    self._rtc_buffers(b, length, num_steps, self._scratch))
+    def served_call(self, key: GraphKey, num_steps: int):
+        """`key`'s call on the static buffers its graph will read."""
+        return self.call_of(key, num_steps)[3](self.buffers(key.batch, key.length),
+                                               self.rtc_buffers(key.batch, key.length, num_steps))
 
-    @torch.no_grad()
-    def record_kernels(self, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> KernelRecorder:
-        """Gives `pool`'s processes the Triton kernels the warm-ups of `keys` would compile, before any of
-        them runs (fast/precompile.py) -> the recorder `pool.compile` waits on. Each call not warmed up
-        yet runs once on scratch buffers with those kernels recorded instead of launched (its other
-        work, cuBLAS's, runs: on scratch, and never read), taking the device as a warm-up does."""
-        recorder, ran = pool.recorder(), set()  # each kernel to the workers as it is recorded
-        if not self.use_graphs:
-            return recorder
-        for key in keys:
-            if key.is_prefix and self.fast.layer_stream is not None:
-                continue
-            graphs, graph_key, signature, _ = self._call_of(key, num_steps)
-            if graph_key in graphs or signature in self._warmed or signature in ran:
-                continue
-            ran.add(signature)
-            with self._turns.warm_up():
-                call = self._warm_up_call(key, num_steps)
-                with recorder.recording():
-                    self._warm_up(call, 1)
-        return recorder
+    def add_graph(self, store: dict, graph_key: tuple, graph: _Graph) -> None:
+        """Stores a graph where `dispatch` finds it (it can be replayed from now on)."""
+        store[graph_key] = graph
+        self.captures += 1
+
+    def needs_bytes_in(self, b: int) -> bool:
+        return b not in self._bytes_in
+
+    def add_bytes_in(self, b: int, length: int) -> None:
+        """Batch size b's frames' conversion graph (runtime/transfer.py `BytesIn`), after its first prefix graph."""
+        self._bytes_in[b] = BytesIn(self.buffers(b, length), self.new_graph)
 
     def refresh_weights(self) -> None:
         """What the fast model derived from the weights, computed again now that they are loaded (Runtime.
         weights_loaded): the graphs captured before read the same tensors."""
         self.fast.refresh_weights()
-
-    def release_scratch(self) -> None:
-        """Frees the warm-up buffers (once the plan is done)."""
-        self._scratch, self._scratch_batch = {}, 0
 
     def captured_sizes(self, token_len: int, vision_slots: int, num_steps: int, rtc: bool,
                        with_prefix: bool = True) -> list[int]:

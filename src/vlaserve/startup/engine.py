@@ -2,7 +2,7 @@
 
 It builds the fast runner, plans its CUDA graphs (startup/plan.py), compiles their kernels ahead where
 the compile cache is empty (runtime/fast/precompile.py), captures them one at a time beside serving
-(`FastRunner.capture`, warm-ups in turn with serving: startup/turns.py), and meanwhile holds the
+(startup/capture.py, warm-ups in turn with serving: startup/turns.py), and meanwhile holds the
 runtime's gate: a call waits for what it needs, then takes the device lock. `runtime.state` moves:
 "warming_up" (nothing can run yet) -> "capturing" (batch 1's first prefix and Euler-steps graphs are
 captured: `serving` is set and batches run, on the captured sizes, while the rest are captured; a call
@@ -35,6 +35,7 @@ from ..runtime.gate import ClosedGate
 from ..runtime.graph_keys import GraphKey
 from ..runtime.memory import estimate_memory
 from ..runtime.runner import Runtime
+from .capture import GraphCapture
 from .plan import capture_plan
 from .progress import CaptureProgress
 from .turns import DeviceTurns
@@ -80,7 +81,7 @@ def start(runtime: Runtime, progress: bool = False, weights_pending: bool = Fals
     pool = CompilePool(compile_workers()) if is_empty(cache) else None
     startup = Startup(runtime, progress)
     config = runtime.config
-    fast = FastRunner(runtime.model, config, turns=startup.turns, layer_stream=runtime.offload,
+    fast = FastRunner(runtime.model, config, lock=startup.turns.lock, layer_stream=runtime.offload,
                       gemm_library=settings.gemm_library, attention_library=settings.attention_library,
                       launch_table=table_for(target))
     lengths = prompt_lengths(settings.prompt_buckets, config.max_token_len)
@@ -94,7 +95,6 @@ def start(runtime: Runtime, progress: bool = False, weights_pending: bool = Fals
     reserved_before = torch.cuda.memory_reserved(device)
 
     def measure() -> None:
-        fast.release_scratch()
         torch.cuda.empty_cache()
         runtime.graph_bytes = torch.cuda.memory_reserved(device) - reserved_before
         shapes = {name: tuple(p.shape) for name, p in runtime.model.named_parameters()}
@@ -105,7 +105,7 @@ def start(runtime: Runtime, progress: bool = False, weights_pending: bool = Fals
                  ",".join(map(str, settings.graph_sizes)), ",".join(map(str, lengths)),
                  runtime.graph_bytes / 2**30, estimate.engine / 2**30)
 
-    startup.begin(fast, plan, config.num_inference_steps, settings.warmup == "background", measure, pool,
+    startup.begin(GraphCapture(fast, startup.turns), plan, config.num_inference_steps, settings.warmup == "background", measure, pool,
                     weights_pending)
     return startup
 
@@ -138,15 +138,15 @@ class Startup:
         self._weights.set()
         self._serving_lock = threading.Lock()  # serving starts once: from the capture thread or the load's end
         self._settled = threading.Event()  # set once serving, or failed before it
-        self._runner = None
+        self._capture: GraphCapture | None = None
 
-    def begin(self, runner, plan: list[GraphKey], num_steps: int, background: bool, finish=lambda: None,
+    def begin(self, capture: GraphCapture, plan: list[GraphKey], num_steps: int, background: bool, finish=lambda: None,
               compile_pool: CompilePool | None = None, weights_pending: bool = False) -> None:
-        """Serves with `runner` from the plan's first batch size on: captures the plan (runner.capture
+        """Serves with `capture.runner` from the plan's first batch size on: captures the plan (capture.capture
         (key, num_steps) -> seconds of warm-up and of capture), sets `runtime.serving` once the first size's
         graphs are captured, and calls `finish` once all are, before "ready". `background`: the captures run
         in a thread and this returns at once; else they run here and a failure raises. `compile_pool`: before
-        the first capture of a group of keys, the pool compiles their kernels together (runner.record_kernels
+        the first capture of a group of keys, the pool compiles their kernels together (capture.record_kernels
         (its keys, num_steps, pool) gives them to it): first the keys serving waits for, with the next group's
         kernels queued behind theirs, then each batch size's (the first size's others); the pool is closed
         once the plan ends. `weights_pending` (background only): the plan is compiled and captured meanwhile;
@@ -154,14 +154,15 @@ class Startup:
         if weights_pending and not background:
             raise ValueError("a plan captured before the weights are loaded runs in the background")
         runtime = self.runtime
-        self._runner = runner
+        self._capture = capture
+        runner = capture.runner
         self.graphs = CaptureProgress(plan, num_steps)
         runtime.state = "warming_up"
         runtime.serving.clear()
         runtime.use(runner, gate=self, graph_stats=self.stats)
         if weights_pending:
             self._weights.clear()
-        args = (runner, num_steps, finish, compile_pool)
+        args = (capture, num_steps, finish, compile_pool)
         if not background:
             self._run(*args, reraise=True)
             return
@@ -186,9 +187,10 @@ class Startup:
 
     # ---- the captures ----------------------------------------------------------------------------
     @staticmethod
-    def _record(runner, keys: list[GraphKey], num_steps: int, pool: CompilePool) -> tuple[KernelRecorder, float]:
+    def _record(capture: GraphCapture, keys: list[GraphKey], num_steps: int,
+                pool: CompilePool) -> tuple[KernelRecorder, float]:
         started = time.perf_counter()
-        return runner.record_kernels(keys, num_steps, pool), time.perf_counter() - started
+        return capture.record_kernels(keys, num_steps, pool), time.perf_counter() - started
 
     def _compile(self, recorder: KernelRecorder, recording_s: float, what: str, pool: CompilePool) -> None:
         """Waits for `recorder`'s kernels to compile (see `begin`), recorded in `recording_s`; `what` names
@@ -202,7 +204,7 @@ class Startup:
         log.info("%s: %d kernels compiled in %d worker processes, recorded in %.1f s, waited for %.1f s (%.1f s "
                  "from the first recorded%s)", what, kernels, pool.workers, recording_s, waited, pool.seconds, slowest)
 
-    def _run(self, runner, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
+    def _run(self, capture: GraphCapture, num_steps: int, finish, compile_pool: CompilePool | None, reraise: bool) -> None:
         graphs, runtime = self.graphs, self.runtime
         # Kernels are compiled by group before a group's first capture: the keys serving waits for (the
         # first action waits for their kernels only), then each batch size's.
@@ -226,19 +228,20 @@ class Startup:
                     if compile_pool is not None and group not in compiled:
                         compiled.add(group)
                         if group not in recorders:
-                            recorders[group] = self._record(runner, groups[group], num_steps, compile_pool)
+                            recorders[group] = self._record(capture, groups[group], num_steps, compile_pool)
                         if group == "serving" and after_serving is not None:
-                            recorders[after_serving] = self._record(runner, groups[after_serving], num_steps,
+                            recorders[after_serving] = self._record(capture, groups[after_serving], num_steps,
                                                                     compile_pool)
                         self._compile(*recorders.pop(group), group, compile_pool)
                     bar.set_postfix_str(str(key), refresh=False)
-                    graphs.captured(key, *runner.capture(key, num_steps))
+                    graphs.captured(key, *capture.capture(key, num_steps))
                     bar.update()
                     self._start_serving_if_ready()
                 self._weights.wait()  # every graph captured before the weights arrived: the plan ends with them
                 if graphs.error is not None:  # the load failed (weights_failed)
                     return
                 self._start_serving_if_ready()
+            capture.release_scratch()
             finish()
         except Exception as e:
             self._fail(f"{type(e).__name__}: {e}")
@@ -250,11 +253,11 @@ class Startup:
                 raise
             return
         graphs.all_captured_after_s = time.perf_counter() - graphs.started
-        edited = runner.memset_nodes
+        edited = capture.runner.memset_nodes
         log.info("fast path: every CUDA graph captured after %.1f s (%.1f s of warm-up runs, %.1f s of captures, "
                  "%.1f s of it making %d memset nodes fill kernels; %d warm-ups skipped: their kernels were loaded)",
                  graphs.all_captured_after_s, graphs.warmup_s, graphs.capture_s, edited["edit_s"], edited["replaced"],
-                 runner.warm_ups_skipped)
+                 capture.warm_ups_skipped)
         runtime.state = "ready"
         runtime.open_gate(self.stats())  # start-up is done: enqueues take the plain device lock from here on
 
@@ -275,7 +278,7 @@ class Startup:
     def weights_loaded(self) -> None:
         """The weights are in place (captured with weights_pending): what the runner derived from them before
         is computed again, the device finishes every write, and serving starts if its graphs are captured."""
-        self._runner.refresh_weights()
+        self._capture.runner.refresh_weights()
         finish_queued(self.runtime.device)  # (graphs may be recording on another thread: no device-wide wait)
         self._weights.set()
         self._start_serving_if_ready()
@@ -324,6 +327,6 @@ class Startup:
             raise NotServing(f"the fast path failed to warm up ({graphs.error}); see the server log")
 
     def stats(self) -> dict:
-        runner = self._runner
-        return {**self.graphs.stats(), "warm_ups_skipped": runner.warm_ups_skipped,
-                "memset_nodes": dict(runner.memset_nodes)}
+        capture = self._capture
+        return {**self.graphs.stats(), "warm_ups_skipped": capture.warm_ups_skipped,
+                "memset_nodes": dict(capture.runner.memset_nodes)}

@@ -432,7 +432,7 @@ class StaticRTC:
         """Each step's guidance row starts on a 16-byte boundary (rows of a multiple of 4 floats): an
         address's 16-byte alignment is part of a Triton kernel's specialization, so the fused action
         step that reads guidance[step] is then the same kernel at every step, and a warm-up of
-        graphs.WARMUP_STEPS steps launches every kernel a call's steps do."""
+        startup/capture.py's WARMUP_STEPS steps launches every kernel a call's steps do."""
         row = -(-b // 4) * 4
         shapes = ((b, horizon, action_dim), (b, horizon), (steps, row))
         starts, size = block_layout([(shape, torch.float32) for shape in shapes])
