@@ -197,3 +197,143 @@ def test_a_second_update_while_one_runs_is_refused_busy(served, checkpoints, mon
     finally:
         release.set()
         first.join()
+
+
+# ---- POST /update_weights_from_disk -----------------------------------------------------------------------
+ROUTE = "/update_weights_from_disk"
+LOOPBACK = ("127.0.0.1", 50000)
+ADMIN, ROBOT = "admin-key", "robot-key"
+
+
+def generate(client: TestClient, obs: dict, **headers) -> np.ndarray:
+    body = {"input": {"task": obs["task"], "observation": {
+        "images": {c: image.tolist() for c, image in obs["images"].items()}, "state": obs["state"].tolist(),
+        "noise": obs["noise"].tolist()}}}
+    reply = client.post("/v1/actions/generations", json=body, headers=headers)
+    assert reply.status_code == 200, reply.text
+    return np.asarray(reply.json()["data"][0]["action"]["values"], dtype=np.float32)
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_the_route_swaps_and_healthz_metadata_and_metrics_report_it(served, checkpoints, expected):
+    with TestClient(create_app(served, ServerSettings()), client=LOOPBACK) as client:
+        version = client.get("/healthz").json()["weight_version"]
+        reply = client.post(ROUTE, json={"model_path": str(checkpoints["perturbed"]), "flush_cache": True})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["success"] is True and body["weight_version"] == version + 1 and body["load_ms"] > 0
+        assert str(checkpoints["perturbed"]) in body["message"]
+        assert client.get("/healthz").json()["weight_version"] == version + 1
+        assert client.get("/v1/actions/metadata").json()["weight_version"] == version + 1
+        np.testing.assert_array_equal(generate(client, observation(served, 0)), expected["perturbed"][0])
+        assert client.post(ROUTE, json={"model_path": str(checkpoints["original"])}).status_code == 200
+        np.testing.assert_array_equal(generate(client, observation(served, 0)), expected["original"][0])
+        assert "vlaserve_weight_updates_total 2.0" in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("body, status, kind, field", [
+    ({}, 422, "invalid_request", "model_path"),
+    ({"model_path": 3}, 422, "invalid_request", "model_path"),
+    ({"model_path": "x", "is_async": True}, 422, "invalid_request", "is_async"),
+    ({"model_path": "x", "flush_cache": False}, 422, "invalid_request", "flush_cache"),
+    ({"model_path": "x", "abort_all_requests": 1}, 422, "invalid_request", "abort_all_requests"),
+    ({"model_path": "x", "load_format": "gguf"}, 422, "invalid_request", "load_format"),
+    ({"model_path": "/nonexistent/checkpoint"}, 404, "checkpoint_not_found", "model_path"),
+    ({"model_path": "truncated weights file"}, 422, "invalid_checkpoint", "model_path"),
+    ({"model_path": "other shape"}, 422, "checkpoint_mismatch", "model_path"),
+])
+def test_the_route_refuses_in_the_servers_error_shape(served, checkpoints, tmp_path, body, status, kind, field):
+    if body.get("model_path") in REFUSED:
+        body = {"model_path": broken_copy(checkpoints, tmp_path, body["model_path"])}
+    client = TestClient(create_app(served, ServerSettings()), client=LOOPBACK)  # (no lifespan: no batcher needed)
+    version = client.get("/healthz").json()["weight_version"]
+    reply = client.post(ROUTE, json=body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert (error["type"], error["field"]) == (kind, field) and error["message"]
+    assert client.get("/healthz").json()["weight_version"] == version  # (unchanged actions: the Policy tests above)
+
+
+def test_a_serve_ray_replica_refuses_updates(served):
+    app = create_app(served, ServerSettings())
+    app.state.service.weight_updates_refused = "a fleet updates no replica alone"
+    reply = TestClient(app, client=LOOPBACK).post(ROUTE, json={"model_path": "/nonexistent"})
+    assert reply.status_code == 409 and reply.json()["error"]["type"] == "update_unavailable"
+
+
+@pytest.mark.parametrize("keys, client_host, headers, status", [
+    # No key at all: this computer only.
+    ({}, "192.168.1.20", {}, 403),
+    ({}, "127.0.0.1", {}, 404),
+    ({}, "::1", {}, 404),
+    # An API key only: it is required.
+    ({"api_key": ROBOT}, "127.0.0.1", {}, 401),
+    ({"api_key": ROBOT}, "192.168.1.20", bearer(ROBOT), 404),
+    # An admin key: only it, from anywhere; the robots' key is forbidden.
+    ({"api_key": ROBOT, "admin_api_key": ADMIN}, "192.168.1.20", bearer(ROBOT), 403),
+    ({"api_key": ROBOT, "admin_api_key": ADMIN}, "127.0.0.1", {}, 401),
+    ({"api_key": ROBOT, "admin_api_key": ADMIN}, "192.168.1.20", {"X-API-Key": ADMIN}, 404),
+    ({"admin_api_key": ADMIN}, "127.0.0.1", bearer("wrong"), 401),
+])
+def test_who_may_update_weights(served, keys, client_host, headers, status):
+    """404: authorized, and the checkpoint named does not exist (nothing is swapped)."""
+    client = TestClient(create_app(served, ServerSettings(**keys)), client=(client_host, 50000))
+    reply = client.post(ROUTE, json={"model_path": "/nonexistent/checkpoint"}, headers=headers)
+    assert reply.status_code == status, reply.text
+
+
+def test_the_admin_key_is_not_an_api_key(served):
+    client = TestClient(create_app(served, ServerSettings(api_key=ROBOT, admin_api_key=ADMIN)))
+    assert client.get("/v1/actions/metadata", headers=bearer(ADMIN)).status_code == 401
+    assert client.get("/v1/actions/metadata", headers=bearer(ROBOT)).status_code == 200
+    client = TestClient(create_app(served, ServerSettings(admin_api_key=ADMIN)))  # robots need no key
+    assert client.get("/v1/actions/metadata").status_code == 200
+
+
+def test_a_batch_enqueued_before_a_swap_is_answered_by_the_old_weights_and_the_next_by_the_new(
+        served, checkpoints, expected, monkeypatch):
+    """Waits on state: the first request's batch is held inside its enqueue (holding the lock a swap takes)
+    until the update has read and staged the new weights; it is answered with the original's actions, the
+    update then succeeds, and the next request gets the new weights' actions."""
+    entered, staged, release = threading.Event(), threading.Event(), threading.Event()
+    enqueue, stage = served.runtime.enqueue, served.runtime.stage_weights
+
+    def held_enqueue(*args, **kwargs):
+        launched = enqueue(*args, **kwargs)
+        if not entered.is_set():
+            entered.set()
+            release.wait()
+        return launched
+
+    def signalling_stage(tensors):
+        out = stage(tensors)
+        staged.set()
+        return out
+
+    monkeypatch.setattr(served.runtime, "enqueue", held_enqueue)
+    monkeypatch.setattr(served.runtime, "stage_weights", signalling_stage)
+    results = {}
+    with TestClient(create_app(served, ServerSettings()), client=LOOPBACK) as client:
+        first = threading.Thread(target=lambda: results.update(first=generate(client, observation(served, 0))))
+        update = threading.Thread(target=lambda: results.update(update=client.post(
+            ROUTE, json={"model_path": str(checkpoints["perturbed"])})))
+        first.start()
+        try:
+            assert entered.wait(120)
+            update.start()
+            assert staged.wait(120)
+            assert "update" not in results  # held behind the batch
+        finally:
+            release.set()
+            first.join()
+            if update.is_alive() or update.ident is not None:
+                update.join()
+        try:
+            assert results["update"].status_code == 200, results["update"].text
+            np.testing.assert_array_equal(results["first"], expected["original"][0])
+            np.testing.assert_array_equal(generate(client, observation(served, 1)), expected["perturbed"][1])
+        finally:
+            assert client.post(ROUTE, json={"model_path": str(checkpoints["original"])}).status_code == 200
