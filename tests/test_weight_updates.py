@@ -337,3 +337,40 @@ def test_a_batch_enqueued_before_a_swap_is_answered_by_the_old_weights_and_the_n
             np.testing.assert_array_equal(generate(client, observation(served, 1)), expected["perturbed"][1])
         finally:
             assert client.post(ROUTE, json={"model_path": str(checkpoints["original"])}).status_code == 200
+
+
+def test_the_client_updates_weights_and_raises_its_error_types(served, checkpoints):
+    import socket
+
+    import uvicorn
+
+    from vlaserve_client import AuthenticationError, Client, ServerError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(served, ServerSettings(api_key=ROBOT, admin_api_key=ADMIN)),
+                                           host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:  # waits for the socket to listen (or the server thread to die)
+            assert thread.is_alive()
+            threading.Event().wait(0.05)
+        client = Client(f"ws://127.0.0.1:{port}", api_key=ROBOT)
+        version = served.weight_version
+        reply = client.update_weights(checkpoints["perturbed"], admin_key=ADMIN)
+        assert reply["success"] is True and reply["weight_version"] == served.weight_version == version + 1
+        with pytest.raises(ServerError) as refused:
+            client.update_weights("/nonexistent/checkpoint", admin_key=ADMIN)
+        assert (refused.value.type, refused.value.field) == ("checkpoint_not_found", "model_path")
+        with pytest.raises(ServerError) as forbidden:
+            client.update_weights(checkpoints["original"])  # the robot's key
+        assert forbidden.value.type == "forbidden"
+        with pytest.raises(AuthenticationError):
+            client.update_weights(checkpoints["original"], admin_key="wrong")
+        assert served.weight_version == version + 1
+        assert client.update_weights(checkpoints["original"], admin_key=ADMIN)["weight_version"] == version + 2
+    finally:
+        server.should_exit = True
+        thread.join()
