@@ -230,7 +230,8 @@ class Policy:
         weights are copied in and the statistics replaced: batches enqueued before run on the old version,
         batches after on the new, none on a mix. The fast path's graphs stay valid (they read the parameters in
         place; what they derived is computed again), and the prefix cache is emptied. -> {"weight_version",
-        "checkpoint", "read_ms": checks, reads and staging, "swap_ms": batches held back, "load_ms": all}.
+        "checkpoint", "read_ms": checks, reads and staging, "wait_ms": for the batch being launched, "swap_ms":
+        batches held back, "load_ms": all}.
         Raises WeightUpdateRefused (nothing changed) naming the reason."""
         if not self._updating.acquire(blocking=False):
             raise WeightUpdateRefused("busy", "another weight update is running; send this one when it has answered")
@@ -244,7 +245,8 @@ class Policy:
             preprocessor = Preprocessor(self.config, pipeline, old.tokenizer, old.family,
                                         self.runtime.settings.prompt_buckets, old.defer_resize, weight_version=version)
             read = time.perf_counter()
-            with self._serving:
+            with self._serving:  # (after the batch being prepared or enqueued: on a CPU, its whole run)
+                locked = time.perf_counter()
                 self.runtime.swap_weights(staged)
                 self.preprocessor, self.weight_version, self.checkpoint = preprocessor, version, str(directory)
             swapped = time.perf_counter()
@@ -254,9 +256,9 @@ class Policy:
         finally:
             self._updating.release()
         log.info("weights updated to version %d from %s: read in %.2f s, batches held back %.1f ms, %.2f s in all",
-                 self.weight_version, directory, read - started, (swapped - read) * 1e3, done - started)
+                 self.weight_version, directory, read - started, (swapped - locked) * 1e3, done - started)
         return {"weight_version": self.weight_version, "checkpoint": str(directory), "read_ms": (read - started) * 1e3,
-                "swap_ms": (swapped - read) * 1e3, "load_ms": (done - started) * 1e3}
+                "wait_ms": (locked - read) * 1e3, "swap_ms": (swapped - locked) * 1e3, "load_ms": (done - started) * 1e3}
 
 
 class LaunchedBatch:
