@@ -27,12 +27,21 @@ the server is SIGKILLed and restarted on the same port, then stopped with SIGTER
 gap without fresh actions (p50, max), the restart time, the first fresh chunk after ready, the ages of
 the observations sent, leftover processes and close() times; writes bench_fleet_chaos[_LABEL].json and
 .png. With --smoke: the demo checkpoint on the CPU, 4 robots at 20 Hz.
+
+    python bench/bench_fleet.py --swap-weights [--robots 16] [--hz 4] [--seconds 8] ...
+
+--swap-weights (fleet_swap.py): the robots (the first of --robots) at --hz for --seconds while the server's
+weights are updated in place to a perturbed copy of the checkpoint and back; reports each update's time against
+the checkpoint's read time, failed requests, every answer attributed to the old or the new weights by its
+distance to each version's answer alone, and p99 before vs during the updates; writes
+bench_fleet_swap[_LABEL].json and .png. With --smoke: the golden checkpoint on the CPU, 2 robots at 2 Hz.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
 import tempfile
 import threading
@@ -198,9 +207,13 @@ def main() -> None:
     ap.add_argument("--frame", default="224x224", help="camera frame HxW (other than 224x224: resized by the server)")
     ap.add_argument("--label", default="")
     ap.add_argument("--chaos", action="store_true", help="kill, restart and stop the server under robots (see above)")
+    ap.add_argument("--swap-weights", action="store_true",
+                    help="update the server's weights in place under robots, and back (see above)")
     args = ap.parse_args()
     if args.chaos:
         return chaos(args)
+    if args.swap_weights:
+        return swap_weights(args)
     if args.smoke:
         args.device, args.robots, args.hz, args.paced_robots, args.seconds = "cpu", "1,2", "2", "2", 1.0
     alone_calls = 3 if args.smoke else 40
@@ -302,6 +315,45 @@ def chaos(args) -> None:
     stem = f"bench_fleet_chaos{'_' + args.label if args.label else ''}"
     save_json(results, args.out, stem)
     save_png(plot_chaos(results, pyplot()), args.out, stem)
+
+
+def swap_weights(args) -> None:
+    from fleet_swap import perturbed_copy, plot_swap, read_time_s, run_swap
+
+    if args.smoke:
+        args.device, args.robots, args.hz, args.seconds = "cpu", "2", "2", 6.0
+    workdir = Path(tempfile.mkdtemp(prefix="bench_fleet_swap-"))
+    checkpoint = Path(args.checkpoint) if args.checkpoint else bench_checkpoint(args.smoke, args.device, workdir)
+    copy = perturbed_copy(checkpoint, workdir / "perturbed")
+    results = {"device": args.device, "smoke": args.smoke, "serve_args": args.serve_args, "checkpoint": str(checkpoint),
+               "read_s": min(read_time_s(copy) for _ in range(3))}  # (the page cache's: the copy was just written)
+    log_path = workdir / "server.log"
+    server, port = start_server("serve", checkpoint, ["--device", args.device, "--warmup", "blocking",
+                                                      *args.serve_args.split()], log_path)
+    try:
+        wait_until_healthy(server, port, log_path)
+        meta = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/actions/metadata").read())
+        dims = (meta["state_dim"], meta["action_horizon"], meta["max_action_dim"])
+        frame = tuple(int(v) for v in args.frame.lower().split("x"))
+        robots = int(args.robots.split(",")[0])
+        observations = [robot_observation(i, *dims, frame=frame) for i in range(robots)]
+        results["swap"] = swap = run_swap(port, observations, {"original": checkpoint, "perturbed": copy},
+                                          float(args.hz.split(",")[0]), args.seconds, WRONG_ANSWER)
+        for u in swap["updates"]:
+            log(f"update to {u['to']}: {u['load_ms']:.0f} ms (read {u['read_ms']:.0f} ms, waited {u['wait_ms']:.0f} ms "
+                f"for a batch, batches held {u['swap_ms']:.1f} ms; client {u['client_wall_ms']:.0f} ms) vs the "
+                f"checkpoint's read "
+                f"{results['read_s'] * 1e3:.0f} ms")
+        p99 = {part: "none" if swap[part] is None else f"{swap[part]['p99_ms']:.1f} ms" for part in ("before", "during")}
+        log(f"{swap['answers']} answers {swap['answers_by_version']}, stale {swap['stale_answers']}, failed "
+            f"{swap['failed_requests']}; p99 before {p99['before']}, during {p99['during']}; the versions' answers "
+            f"apart by {swap['references_apart']:.3f}")
+    finally:
+        _, results["server_log_tail"] = stop_server(server, log_path)
+        shutil.rmtree(workdir / "perturbed", ignore_errors=True)
+    stem = f"bench_fleet_swap{'_' + args.label if args.label else ''}"
+    save_json(results, args.out, stem)
+    save_png(plot_swap(results, pyplot()), args.out, stem)
 
 
 def add_floors(results: dict, max_batch: int, seconds: float) -> None:

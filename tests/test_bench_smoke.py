@@ -173,7 +173,7 @@ SMOKE = {
     "bench_ray": check_bench_ray, "bench_encoded": check_bench_encoded, "tune_launch_tables": check_tune_launch_tables,
 }
 # Modules the scripts import, not scripts.
-LIBRARIES = {"common", "fleet_chaos", "fleet_model"}
+LIBRARIES = {"common", "fleet_chaos", "fleet_model", "fleet_swap"}
 SLOW = {"bench_gpu", "bench_memory", "bench_fleet", "bench_rtc", "bench_overlap", "bench_ray", "tune_launch_tables"}
 
 
@@ -204,6 +204,17 @@ def test_bench_serve_startup(tmp_path):
         assert fleet["robots"] == 2 and fleet["answers"] > 0 and fleet["errors"] == fleet["wrong"] == 0
         # a rate over at least the 0.5 s the robots keep sending after the last graph (here at once: no graphs)
         assert 0 < fleet["answers_per_s_after_capture"] <= fleet["answers"] / 0.5
+
+
+@pytest.mark.slow
+def test_bench_fleet_swap_weights(tmp_path):
+    """--swap-weights: two updates in place under robots, none failed, every answer one version's (the golden
+    checkpoint's and its perturbed copy's answers lie apart), none stale. (Which version answers how many depends
+    on when batches ran on a busy CPU: not asserted.)"""
+    run("bench_fleet", tmp_path, "--swap-weights")
+    r = result(tmp_path, "bench_fleet_swap", png=True)["swap"]
+    assert [u["success"] for u in r["updates"]] == [True, True] and r["references_apart"] > 0
+    assert r["answers"] > 0 and r["failed_requests"] == r["answers_by_version"]["neither"] == r["stale_answers"] == 0
 
 
 @pytest.mark.slow

@@ -47,3 +47,19 @@ class NotServing(VlaserveError):
     """The runtime cannot run batches: its batch-1 CUDA graphs were not captured within the wait
     bound, or the warm-up failed before them (the server log says why). A request gets this, never
     a silent fallback to another engine."""
+
+
+class WeightUpdateRefused(VlaserveError):
+    """A weight update (Policy.update_weights) refused before anything changed. `reason` says why, for the
+    server to answer it: "not_found" (the checkpoint, or a file it needs, is missing), "mismatch" (another
+    family, architecture, tensor set, shape, dtype or processor pipeline than the served one), "unreadable" (a
+    malformed or truncated file), "busy" (another update is running), "unavailable" (this server cannot update
+    its weights in place: still starting, fp8, offload)."""
+
+    REASONS = ("not_found", "mismatch", "unreadable", "busy", "unavailable")
+
+    def __init__(self, reason: str, message: str):
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown reason {reason!r}")
+        super().__init__(message)
+        self.reason, self.message = reason, message

@@ -30,6 +30,8 @@ SERVER_OPTIONS: dict[str, tuple[type, object, str, str]] = {
     "api_key": (str, None, "KEY", "require this key (Authorization: Bearer KEY or X-API-Key: KEY); visible in the "
                                   "process list: prefer --api-key-file or $VLASERVE_API_KEY"),
     "api_key_file": (str, None, "FILE", "read the API key from this file (surrounding whitespace dropped)"),
+    "admin_api_key_file": (str, None, "FILE", "read the admin routes' key from this file (POST "
+                                              "/update_weights_from_disk; docs/server.md)"),
     "allowed_origins": (str, None, "O1,O2",
                         "browser origins (e.g. http://localhost:3000) that may call the server, or *; "
                         "without it any request that carries an Origin header is refused"),
@@ -56,7 +58,7 @@ def _runtime_options() -> dict[str, tuple[type, object, str, str]]:
 RUNTIME_OPTIONS = _runtime_options()
 SERVE_OPTIONS = {**SERVER_OPTIONS, **RUNTIME_OPTIONS}
 # Keys of the --config file that are no command-line flag (RuntimeConfig's `flag=False` fields).
-CONFIG_FILE_ONLY = frozenset(f.name for f in RuntimeConfig.options() if not f.metadata["flag"])
+CONFIG_FILE_ONLY = frozenset(f.name for f in RuntimeConfig.options() if not f.metadata["flag"]) | {"admin_api_key_file"}
 CONFIG_ONLY_KEYS = ("checkpoint", "camera_aliases")
 DEMO_HELP = "which built-in DEMO (tiny, random weights) to use without a checkpoint (default: pi05)"
 
@@ -153,6 +155,7 @@ def serve_options(cli: dict, extra: dict | None = None) -> dict:
         if not options[name] > 0:
             raise UsageError(f"{name} must be positive")
     options["api_key"] = api_key(options)
+    options["admin_api_key"] = admin_api_key(options)
     try:
         options["runtime"] = RuntimeConfig(**{f.name: options[f.name] for f in RuntimeConfig.options()})
     except VlaserveError as e:
@@ -161,24 +164,36 @@ def serve_options(cli: dict, extra: dict | None = None) -> dict:
 
 
 API_KEY_ENV = "VLASERVE_API_KEY"
+ADMIN_API_KEY_ENV = "VLASERVE_ADMIN_API_KEY"
 
 
 def api_key(options: dict) -> str | None:
     """The key from --api-key, --api-key-file or $VLASERVE_API_KEY (at most one of them); an empty
     one is an error, never a server without a key."""
-    sources = {name: value for name, value in (("--api-key", options["api_key"]),
-                                               ("--api-key-file", options["api_key_file"]),
-                                               (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))) if value is not None}
+    return _key("API key", {"--api-key": options["api_key"], "--api-key-file": options["api_key_file"],
+                            f"${API_KEY_ENV}": os.environ.get(API_KEY_ENV)}, "--api-key-file")
+
+
+def admin_api_key(options: dict) -> str | None:
+    """The admin routes' key (server.access), from the config file's admin_api_key_file or
+    $VLASERVE_ADMIN_API_KEY (at most one of them; no flag); an empty one is an error."""
+    return _key("admin key", {"admin_api_key_file": options["admin_api_key_file"],
+                              f"${ADMIN_API_KEY_ENV}": os.environ.get(ADMIN_API_KEY_ENV)}, "admin_api_key_file")
+
+
+def _key(what: str, given: dict[str, str | None], file_source: str) -> str | None:
+    """The one key of `given` (source -> value, None where not given; `file_source` names a file to read)."""
+    sources = {name: value for name, value in given.items() if value is not None}
     if len(sources) > 1:
-        raise UsageError(f"give the API key one way, not {' and '.join(sources)}")
+        raise UsageError(f"give the {what} one way, not {' and '.join(sources)}")
     if not sources:
         return None
     (source, value), = sources.items()
-    if source == "--api-key-file":
+    if source == file_source:
         try:
             value = Path(value).expanduser().read_text()
         except OSError as e:
-            raise UsageError(f"cannot read the API key file {options['api_key_file']}: {e.strerror}") from None
+            raise UsageError(f"cannot read the {what} file {value}: {e.strerror}") from None
         value = value.strip()
     if not value:
         raise UsageError(f"{source} is empty: give a key, or leave it out to serve without one")

@@ -6,15 +6,17 @@ processing/ turns model actions back into the robot's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint.files import checkpoint_files
+from .checkpoint.update import read_tensors, stored_dtypes
 from .checkpoint.weights import check_weights, load_weights, materialize, parameter_counts
 from .config import PolicyConfig, RuntimeConfig
 from .demo import DEMO_IDS, find_checkpoint
-from .errors import InvalidRequest
+from .errors import InvalidRequest, WeightUpdateRefused
 from .family import family_of, load_policy_config
 from .precision import apply_precision
 from .processing.layouts import KeyLayout
@@ -28,6 +30,7 @@ from .runtime.memory import check_before_loading
 from .runtime.runner import Runtime
 from .startup.engine import captures_while_loading, start
 from .types import InferenceResult, Observation, PreparedObservation, Request
+from .updates import check_compatible, find_update, refuse_unless_swappable
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +38,21 @@ log = logging.getLogger(__name__)
 class Policy:
     def __init__(self, config: PolicyConfig, preprocessor: Preprocessor, runtime: Runtime, name: str,
                  checkpoint: str, parameter_counts: dict[str, int], load_timings: dict | None = None,
-                 precision: dict | None = None):
+                 precision: dict | None = None, stored_dtypes: dict | None = None):
         self.config, self.preprocessor, self.runtime = config, preprocessor, runtime
         self.name, self.checkpoint = name, checkpoint
         self.parameter_counts = parameter_counts
         self.layout = KeyLayout(config.cameras, rename_map=preprocessor.pipeline.rename_map)
         self.load_timings = load_timings or {}  # seconds per loading stage, weight bytes, GB/s
         self.precision = precision or {"precision": "bf16"}  # the fp8 gate's report (vlaserve.precision)
+        # Weight updates in place (update_weights): the dtype each tensor is stored in, which a new checkpoint
+        # must keep; the version served (0: the weights loaded at start, +1 per update).
+        self.stored_dtypes = stored_dtypes or {}
+        self.weight_version = 0
+        # Held around a batch's preparation and enqueue, and around a swap: a batch's weights and statistics are
+        # one version's.
+        self._serving = threading.Lock()
+        self._updating = threading.Lock()  # one update at a time
 
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, runtime: RuntimeConfig | None = None, progress: bool = True,
@@ -86,6 +97,7 @@ class Policy:
 
         # Names and shapes checked against the checkpoint's headers before anything is allocated, compiled or read.
         sources = check_weights(model, directory, family.weights)
+        dtypes = stored_dtypes(sources)
 
         def load() -> None:
             load_weights(model, directory, dtype, load_device, progress=progress, loader=settings.weights_loader,
@@ -125,7 +137,8 @@ class Policy:
         timings = {**stages, "total_s": time.perf_counter() - started, "weights_loader": settings.weights_loader,
                    "captured_while_loading": early,
                    "weight_bytes": weight_bytes, "weights_gb_per_s": rate}
-        return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings, precision)
+        return cls(config, preprocessor, runtime, name, str(directory), parameter_counts(model), timings, precision,
+                   dtypes)
 
     @property
     def model(self):
@@ -149,6 +162,7 @@ class Policy:
             "prompt_buckets": list(self.preprocessor.prompt_buckets) or None,
             "rename_map": self.preprocessor.pipeline.rename_map,
             "relative_actions": self.preprocessor.pipeline.relative_actions is not None, "precision": self.precision,
+            "weight_version": self.weight_version,
             **r.stats(),
         }
 
@@ -201,18 +215,59 @@ class Policy:
         if len({r.cuda_graph for r in requests}) != 1:
             raise InvalidRequest("cuda_graph", "requests of one batch must all use graphs or none")
         started = time.perf_counter()
-        inputs, noise, rtc = self.preprocessor.collate(requests)
-        prepared = time.perf_counter()
-        launched = self.runtime.enqueue(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
-                                       requests[0].cuda_graph)
-        return LaunchedBatch(self, requests, launched, (prepared - started) * 1e3)
+        with self._serving:  # (a request prepared before a weight update is prepared again here)
+            preprocessor = self.preprocessor
+            inputs, noise, rtc = preprocessor.collate(requests)
+            prepared = time.perf_counter()
+            launched = self.runtime.enqueue(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
+                                           requests[0].cuda_graph)
+        return LaunchedBatch(self, preprocessor, requests, launched, (prepared - started) * 1e3)
+
+    def update_weights(self, path_or_id: str) -> dict:
+        """Loads a checkpoint of the served family and architecture into the served parameters in place, its
+        normalization statistics with them (SGLang's update_weights_from_disk). Everything is checked, and every
+        tensor read and staged beside the served ones, while batches go on; then, between two batches, the
+        weights are copied in and the statistics replaced: batches enqueued before run on the old version,
+        batches after on the new, none on a mix. The fast path's graphs stay valid (they read the parameters in
+        place; what they derived is computed again), and the prefix cache is emptied. -> {"weight_version",
+        "checkpoint", "read_ms": checks, reads and staging, "wait_ms": for the batch being launched, "swap_ms":
+        batches held back, "load_ms": all}.
+        Raises WeightUpdateRefused (nothing changed) naming the reason."""
+        if not self._updating.acquire(blocking=False):
+            raise WeightUpdateRefused("busy", "another weight update is running; send this one when it has answered")
+        try:
+            started = time.perf_counter()
+            refuse_unless_swappable(self)
+            directory = find_update(path_or_id)
+            pipeline, sources = check_compatible(self, directory)
+            staged = self.runtime.stage_weights(read_tensors(sources))
+            old, version = self.preprocessor, self.weight_version + 1
+            preprocessor = Preprocessor(self.config, pipeline, old.tokenizer, old.family,
+                                        self.runtime.settings.prompt_buckets, old.defer_resize, weight_version=version)
+            read = time.perf_counter()
+            with self._serving:  # (after the batch being prepared or enqueued: on a CPU, its whole run)
+                locked = time.perf_counter()
+                self.runtime.swap_weights(staged)
+                self.preprocessor, self.weight_version, self.checkpoint = preprocessor, version, str(directory)
+            swapped = time.perf_counter()
+            finish_queued(self.runtime.device)  # the copies done (behind the batch in flight)
+            del staged
+            done = time.perf_counter()
+        finally:
+            self._updating.release()
+        log.info("weights updated to version %d from %s: read in %.2f s, batches held back %.1f ms, %.2f s in all",
+                 self.weight_version, directory, read - started, (swapped - locked) * 1e3, done - started)
+        return {"weight_version": self.weight_version, "checkpoint": str(directory), "read_ms": (read - started) * 1e3,
+                "wait_ms": (locked - read) * 1e3, "swap_ms": (swapped - locked) * 1e3, "load_ms": (done - started) * 1e3}
 
 
 class LaunchedBatch:
     """A batch on its way through the device; `finish` waits for it and post-processes."""
 
-    def __init__(self, policy: Policy, requests: list[Request], launched, preprocess_ms: float):
+    def __init__(self, policy: Policy, preprocessor: Preprocessor, requests: list[Request], launched,
+                 preprocess_ms: float):
         self.policy, self.requests, self.launched, self.preprocess_ms = policy, requests, launched, preprocess_ms
+        self.preprocessor = preprocessor  # whose statistics prepared it: they un-normalize its actions
 
     def done(self) -> bool:
         return self.launched.done()
@@ -220,7 +275,7 @@ class LaunchedBatch:
     def finish(self) -> list[InferenceResult]:
         model_np, stages = self.launched.wait()
         post_start = time.perf_counter()
-        actions = self.policy.preprocessor.postprocess(model_np, self.requests)
+        actions = self.preprocessor.postprocess(model_np, self.requests)
         timings = {"preprocess_ms": self.preprocess_ms, **stages, "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
                    "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(self.requests)}
         return [InferenceResult(actions[i], model_np[i], dict(timings), self._warnings(r.prepared))
@@ -229,7 +284,7 @@ class LaunchedBatch:
     def _warnings(self, prepared: PreparedObservation) -> list[str]:
         if prepared.truncated:
             return [f"the prompt was cut at max_token_len tokens: its end "
-                    f"({self.policy.preprocessor.family.prompt_end}) is missing"]
+                    f"({self.preprocessor.family.prompt_end}) is missing"]
         return []
 
 

@@ -174,6 +174,9 @@ class PreparedObservation:
     # Camera frames whose resize-with-pad runs on the device (slot, raw [3, H, W]: uint8, or float
     # in [0, 1]); their slots in `images` hold a placeholder until then (runtime/transfer.py).
     pending: tuple[tuple[int, torch.Tensor], ...] = ()
+    # The weight version whose normalization statistics prepared it (Preprocessor.weight_version): a request
+    # prepared before a weight update is prepared again with the new statistics before it runs.
+    weight_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,13 @@ Nothing here does I/O, so `sync.py` and `aio.py` differ only in how they move fr
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -197,6 +200,29 @@ def websocket_url(url: str, protocol) -> str:
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def post_json(url: str, path: str, body: dict, api_key: str | None, timeout: float) -> dict:
+    """POSTs `body` as JSON to `path` of the server at `url` (any form websocket_url takes) -> the JSON reply.
+    A refusal raises ServerError (its error's type, field and message), a 401 AuthenticationError."""
+    parts = urlsplit(url if "://" in url else "ws://" + url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    request = urllib.request.Request(urlunsplit((scheme, parts.netloc, path, "", "")), method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **auth_headers(api_key)})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise AuthenticationError(f"{request.full_url} refused the key (HTTP 401)") from None
+        try:
+            error = json.loads(e.read())["error"]
+        except (ValueError, KeyError, TypeError):
+            raise ServerError("http_error", None, f"HTTP {e.code} from {request.full_url}") from None
+        raise ServerError(error.get("type", "http_error"), error.get("field"), error.get("message", "")) from None
+    except urllib.error.URLError as e:
+        raise ConnectionError(f"cannot reach {request.full_url}: {e.reason}") from None
 
 
 def parse_metadata(frame) -> dict:

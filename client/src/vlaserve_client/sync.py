@@ -11,7 +11,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from websockets.sync.client import ClientConnection, connect
 
 from .protocol import (RETRYABLE, refused_attempt, refused_key, retry_delay, AuthenticationError, BatchError, ConnectionLost, ConnectionSettings, Reply, ServerError, auth_headers,
-                       backoff_delays, parse_metadata, protocol_named, websocket_url)
+                       backoff_delays, parse_metadata, post_json, protocol_named, websocket_url)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,17 @@ class Client:
     def close(self) -> None:
         self._ws = None
         self._exit.close()
+
+    # ---- the trainer's side --------------------------------------------------------------------------
+    def update_weights(self, model_path: str, *, admin_key: str | None = None, timeout: float = 600.0) -> dict:
+        """POST /update_weights_from_disk over HTTP (no socket needed): the server loads the checkpoint at
+        `model_path` (a path on the server's computer) into its served weights in place, between batches ->
+        its reply ({"success", "message", "weight_version", "load_ms", ...}). A refused update (nothing
+        changed) raises ServerError: its type says why (checkpoint_not_found, checkpoint_mismatch,
+        invalid_checkpoint, update_in_progress, update_unavailable, forbidden). `admin_key`: the server's admin
+        key, where it has one (default: this client's api_key)."""
+        return post_json(self.settings.url, "/update_weights_from_disk", {"model_path": str(model_path)},
+                         admin_key or self.settings.api_key, timeout)
 
     def __enter__(self) -> Client:
         return self

@@ -70,6 +70,10 @@ class VlaserveReplica:
 
         app = create_app(self.policy, self.settings)
         self.service = app.state.service
+        # Ray's proxy hands a request to one replica: the fleet would serve two versions at once.
+        self.service.weight_updates_refused = ("serve-ray updates no replica's weights on its own (this request "
+                                               "would reach one replica of the fleet): deploy the new checkpoint "
+                                               "as a new application (docs/ray.md)")
         loop = asyncio.get_running_loop()
         self._drain_watch = loop.create_task(self._drain_sessions_on_shutdown())
         labelled = ReplicaLabels(app, self.replica)

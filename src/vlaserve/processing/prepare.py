@@ -29,8 +29,9 @@ class Preprocessor:
     model input of its own."""
 
     def __init__(self, config: PolicyConfig, pipeline: ProcessorPipeline, tokenizer: PromptTokenizer,
-                 family, prompt_buckets: tuple[int, ...] = (), defer_resize: bool = False):
+                 family, prompt_buckets: tuple[int, ...] = (), defer_resize: bool = False, weight_version: int = 0):
         self.config, self.pipeline, self.tokenizer, self.family = config, pipeline, tokenizer, family
+        self.weight_version = weight_version  # of the weights whose statistics these are (Policy.update_weights)
         # Frames of another size than the model's are resized where the batch runs (on a GPU: ~2 ms
         # of host time per 480x640 frame saved); without it (a CPU device) here, during prepare,
         # which the server runs on its worker threads.
@@ -53,8 +54,8 @@ class Preprocessor:
 
     def prepare(self, request: Request) -> PreparedObservation:
         """Checks the request against this checkpoint and preprocesses it (once: the result is kept
-        on the request)."""
-        if request.prepared is not None:
+        on the request; again only when other weights' statistics prepared it)."""
+        if request.prepared is not None and request.prepared.weight_version == self.weight_version:
             return request.prepared
         c, obs = self.config, request.observation
         unknown = [k for k in obs.images if k not in c.cameras]
@@ -95,7 +96,8 @@ class Preprocessor:
             slot_cameras=slot_cameras, tokens=torch.from_numpy(tokenized.ids),
             token_mask=torch.from_numpy(tokenized.mask), normalized_state=normalized_state, state_bins=bins,
             prompt=prompt, truncated=tokenized.truncated, noise=self._noise(request),
-            rtc=None if request.rtc is None else self._rtc(request.rtc), pending=tuple(pending))
+            rtc=None if request.rtc is None else self._rtc(request.rtc), pending=tuple(pending),
+            weight_version=self.weight_version)
         return request.prepared
 
     def is_light(self, request: Request) -> bool:

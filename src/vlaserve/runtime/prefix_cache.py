@@ -64,6 +64,10 @@ class PrefixCache:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        """Drops every entry (the weights that computed them were replaced); the counts stay."""
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 

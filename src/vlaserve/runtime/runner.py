@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from ..checkpoint.weights import StagedCopy
 from ..config import PolicyConfig, RuntimeConfig
 from ..model.flow import PrefixContext
 from ..model.pi05 import Pi05Model
@@ -210,6 +212,42 @@ class Runtime:
                     if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
             return Enqueued.of(actions, stages, gate)
+
+    def stage_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """New values of named parameters ((name, host tensor in any dtype) pairs) on the device in each parameter's
+        dtype, beside the served ones, while batches go on: what `swap_weights` copies from. Where the device has
+        no room for a second copy of the weights, the rest stay in host memory (the swap's copies then cross the
+        link, which holds batches back longer)."""
+        params = dict(self.model.named_parameters())
+        copy, staged, on_host = StagedCopy(self.device), {}, False
+        for name, tensor in tensors:
+            dtype = params[name].dtype
+            if not on_host:
+                try:
+                    staged[name] = copy(tensor, dtype)
+                    continue
+                except torch.cuda.OutOfMemoryError:
+                    on_host = True
+                    log.warning("no device memory to stage the new weights beside the served ones: the rest stay "
+                                "in host memory, and the swap copies them across the link")
+            staged[name] = tensor.to(dtype)  # (round to nearest even, as the device's cast: the same bits)
+        copy.finish()
+        return staged
+
+    @torch.no_grad()
+    def swap_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copies `staged` (stage_weights') into the served parameters in place, in stream order behind the batches
+        enqueued before, which run on the old weights; batches enqueued after run on the new. The fast path's
+        tensors derived from the weights are computed again in place (its captured graphs read the same tensors:
+        no re-capture), and the prefix cache, whose K/V the old weights computed, is emptied."""
+        with self.device_lock:
+            params = dict(self.model.named_parameters())
+            for name, tensor in staged.items():
+                params[name].copy_(tensor)
+            if self.fast_path:
+                self.runner.refresh_weights()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
 
     def limit_host_threads(self) -> None:
         """For a server on a GPU: torch's host ops on one thread each. They are small (a request's

@@ -41,6 +41,8 @@ class Metrics:
                                           "Seconds from the start of the process (vlaserve's import) to the first "
                                           "inference result returned; NaN until then", registry=self.registry)
         self.first_action_seconds.set(float("nan"))
+        self.weight_updates = Counter("vlaserve_weight_updates", "Weight updates in place (POST "
+                                      "/update_weights_from_disk) that succeeded", registry=self.registry)
         self._first_action_unset = True
         self.recent = RecentRequests()
 

@@ -23,6 +23,7 @@ from .schema import ApiError
 from .service import Service
 from .settings import ROUTES
 from .sockets import accept
+from .weight_updates import PATH as UPDATE_WEIGHTS, model_path_of
 
 MSGPACK = "application/msgpack"
 # Error types of Starlette's own HTTP errors (unknown path, wrong method, ...).
@@ -63,7 +64,8 @@ async def healthz(request: Request) -> JSONResponse:
     # captured while it serves); load balancers and Ray take a replica into rotation on the 200.
     service = _service(request)
     body = _health(service.policy.runtime.stats())
-    body.update(model=service.identity["model"], is_demo=service.identity["is_demo"])
+    body.update(model=service.identity["model"], is_demo=service.identity["is_demo"],
+                weight_version=service.policy.weight_version)
     return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
 
@@ -87,6 +89,16 @@ async def metadata(request: Request) -> dict:
     service = _service(request)
     service.require_auth(request.headers)
     return service.public_metadata()
+
+
+@router.post(UPDATE_WEIGHTS)
+async def update_weights_from_disk(request: Request) -> dict:
+    """SGLang's route: {"model_path": DIR} -> the weights swapped in place between batches (docs/server.md)."""
+    service = _service(request)
+    service.require_admin(request.headers, None if request.client is None else request.client.host)
+    payload = await read_body(request, service.settings.max_payload_bytes, service.settings.body_timeout_s)
+    body = await decode(payload, body_format(request.headers.get("content-type")), service.workers)
+    return await service.update_weights(model_path_of(body))
 
 
 async def generations(request: Request) -> Response:

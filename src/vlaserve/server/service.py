@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 
 from ..batcher import Batcher, BatcherClosed
-from ..errors import InvalidInput, NonFiniteActions, NotServing
+from ..errors import InvalidInput, NonFiniteActions, NotServing, WeightUpdateRefused
 from ..processing.layouts import KeyLayout
 from ..types import Request
 from .access import TICKET_LIFETIME_S, Access
@@ -21,6 +21,7 @@ from .replies import MODEL_STAGES, failed_status, ms_since, reply_body
 from .schema import ApiError, Generation, api_error, parse_generation
 from .sessions import Sessions
 from .settings import ServerSettings
+from .weight_updates import refusal
 from .workers import Workers
 
 
@@ -28,7 +29,7 @@ class Service:
     def __init__(self, policy, settings: ServerSettings):
         self.policy = policy
         self.settings = settings
-        self.access = Access(settings.api_key)
+        self.access = Access(settings.api_key, settings.admin_api_key)
         # What the hot path reads, fixed at startup (the live metadata is built per metadata request).
         m = policy.metadata
         # What a request's `model` may name: the served name, the checkpoint's path, the hub id it records.
@@ -48,6 +49,8 @@ class Service:
         # Where a websocket handshake is sent instead of being accepted here (a URL), or None to
         # accept it: serve-ray's direct websockets set this (fleet/direct.py).
         self.websocket_redirect: Callable[[Mapping], str | None] | None = None
+        # Why this server refuses weight updates (a serve-ray replica: fleet/replica.py), or None.
+        self.weight_updates_refused: str | None = None
 
     def start(self) -> None:
         self.policy.runtime.limit_host_threads()
@@ -69,6 +72,9 @@ class Service:
     def require_auth(self, headers: Mapping[str, str]) -> None:
         self.access.require_auth(headers)
 
+    def require_admin(self, headers: Mapping[str, str], client_host: str | None) -> None:
+        self.access.require_admin(headers, client_host)
+
     def ticket(self, lifetime_s: float = TICKET_LIFETIME_S) -> str:
         return self.access.ticket(lifetime_s)
 
@@ -82,6 +88,19 @@ class Service:
     def public_metadata(self) -> dict:
         """server.metadata's (SGLang's action.metadata structure, with vlaserve's own fields beside it)."""
         return public_metadata(self.metadata, self.settings, self.batch_limit)
+
+    async def update_weights(self, model_path: str) -> dict:
+        """POST /update_weights_from_disk: the policy's weights swapped in place (Policy.update_weights), off the
+        event loop -> SGLang's reply ({"success", "message"}) with the new weight_version and the timings."""
+        if self.weight_updates_refused is not None:
+            raise ApiError(409, "update_unavailable", self.weight_updates_refused)
+        try:
+            done = await asyncio.to_thread(self.policy.update_weights, model_path)
+        except WeightUpdateRefused as e:
+            raise refusal(e) from None
+        self.metrics.weight_updates.inc()
+        return {"success": True, "message": f"weights updated from {done['checkpoint']} (version "
+                                            f"{done['weight_version']})", **done}
 
     async def prepare(self, requests: list, in_request_body: bool) -> list:
         """Checks each request against the checkpoint and preprocesses it, on worker threads: the

@@ -14,6 +14,7 @@ ROUTES = {"http": "/v1/actions/generations", "realtime": "/v1/actions/realtime",
 @dataclass(frozen=True)
 class ServerSettings:
     api_key: str | None = None
+    admin_api_key: str | None = None  # the admin routes' key (server.access)
     max_payload_bytes: int = 64 * 2**20
     batch_delay_ms: float = 0.0
     camera_aliases: dict[str, str] = field(default_factory=camera_aliases)
@@ -29,7 +30,8 @@ class ServerSettings:
     def from_options(cls, options: Mapping) -> "ServerSettings":
         """What `vlaserve serve` and each `serve-ray` replica build from the same options
         (options.serve_options). The batch size limit is the policy's (RuntimeConfig.batch_limit)."""
-        return cls(api_key=options["api_key"], max_payload_bytes=int(options["max_payload_mb"] * 2**20),
+        return cls(api_key=options["api_key"], admin_api_key=options["admin_api_key"],
+                   max_payload_bytes=int(options["max_payload_mb"] * 2**20),
                    batch_delay_ms=options["batch_delay_ms"],
                    camera_aliases=camera_aliases(options["camera_aliases"]), body_timeout_s=options["body_timeout_s"],
                    allowed_origins=tuple(o.strip() for o in (options["allowed_origins"] or "").split(",") if o.strip()))
