@@ -294,3 +294,54 @@ def test_client_seeds_noise_and_trace(live_url, golden_policy):
             return await aclient.infer(obs, seed=21, num_inference_steps=STEPS, return_noise=True)
 
     assert np.array_equal(asyncio.run(awaited()).noise, reply.noise)
+
+
+# ---- the fast path's fused Euler step, in Triton's interpreter -----------------------------------------
+FUSED_TRACE_SCRIPT = r'''
+import json
+import torch
+from vlaserve.config import GemmaDims, ModelConfig, VisionDims
+from vlaserve.demo import random_model
+from vlaserve.model.rtc import RTCGuidance
+from vlaserve.runtime.fast import kernels
+from vlaserve.runtime.fast.model import FastPi05, StaticRTC
+
+assert kernels.available() and kernels.interpreted()
+gemma = GemmaDims(width=256, depth=1, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
+cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
+torch.manual_seed(0)
+b, cams, tokens, steps, horizon = 1, 1, 8, 3, 50
+images = torch.rand(b, cams, 3, 28, 28) * 2 - 1
+noise = torch.randn(b, horizon, 32)
+fast = FastPi05(random_model(cfg, torch.float16, "cpu", seed=1, std=0.05), use_triton=True)
+assert fast._fused_action_io  # the Euler loop of kernels.action_step, x in two alternating buffers
+sched = fast.schedule(steps)
+rtc = StaticRTC.allocate(b, horizon, 32, steps, "cpu")
+rtc.fill(RTCGuidance(torch.randn(b, horizon, 32), torch.rand(b, horizon), torch.full((b,), 5.0)), sched.times)
+k = torch.zeros(1, b, 64, 128, dtype=torch.float16)
+v = torch.zeros_like(k)
+report = {}
+with torch.no_grad():
+    pad = fast.prefix(images, torch.ones(b, cams, dtype=torch.bool), torch.randint(1, 64, (b, tokens)),
+                      torch.ones(b, tokens, dtype=torch.bool), k, v, cams)
+    for name, guidance in (("plain", None), ("rtc", rtc)):
+        plain = fast.denoise(pad, noise, sched, k, v, guidance).clone()
+        trace = torch.full((b, steps + 1, horizon, 32), float("nan"))
+        traced = fast.denoise(pad, noise, sched, k, v, guidance, trace)
+        report[name] = {"actions_equal": torch.equal(traced, plain), "first_is_noise": torch.equal(trace[:, 0], noise),
+                        "last_is_actions": torch.equal(trace[:, -1], traced),
+                        "rows_distinct": all(not torch.equal(trace[:, i], trace[:, i + 1]) for i in range(steps))}
+print(json.dumps(report))
+'''
+
+
+@pytest.mark.slow  # the interpreter runs every kernel program in Python
+def test_the_fused_euler_step_writes_the_trace_in_tritons_interpreter():
+    """Pi0.5's fused action step (kernels.action_step: x alternates between two buffers) on a tiny model:
+    the trace's rows are copied out before the next step overwrites them, and the actions keep every bit."""
+    pytest.importorskip("triton")
+    from test_triton_kernels import interpreted_report
+
+    report = interpreted_report(FUSED_TRACE_SCRIPT, timeout=1800)
+    for name, checks in report.items():
+        assert all(checks.values()), (name, checks)
