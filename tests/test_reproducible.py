@@ -1,7 +1,8 @@
 """Reproducible runs (docs/server.md#reproducible-runs): per-item seeds, the noise out and back in, the
 denoising trace. Through the Python API, the runners (the eager one, and the fast path's runner with
-stock kernels on the CPU), the batcher, the /v1 route (JSON and msgpack), and vlaserve_client against a
-live server; the golden checkpoint in float32 on the CPU.
+stock kernels on the CPU; its fused Euler step in Triton's interpreter), the /v1 route (JSON and
+msgpack), and vlaserve_client against a live server; the golden checkpoint in float32 on the CPU.
+(Traced requests batched apart from graphed ones: test_server_batcher.py.)
 
 Noise is compared bit for bit everywhere: a seeded item's noise is drawn on the host from its own seed,
 whatever batch it runs in. Actions are bit-equal where the same batch runs the same arithmetic (a noise
@@ -23,7 +24,6 @@ from fastapi.testclient import TestClient
 
 from test_fast_path import _HostEvent
 from test_server import free_port
-from vlaserve.batcher import Batcher
 from vlaserve.errors import InvalidRequest
 from vlaserve.server import ServerSettings, create_app
 from vlaserve_client import AsyncClient, Client
@@ -114,38 +114,6 @@ def test_the_fast_runner_traces_its_euler_loop_without_changing_the_actions(gold
     eager = policy.runtime.enqueue(inputs, noise, STEPS, guidance, trace=True)
     eager.wait()
     assert (trace - torch.from_numpy(eager.trace)).abs().max() < 1e-5
-
-
-def test_traced_requests_are_batched_apart_from_graphed_ones(golden_policy):
-    """A traced request runs without graph replay: it shares batches with graph-less requests (whose results
-    carry no trace), never with graphed ones."""
-    from test_server_batcher import GatedPolicy
-
-    gated = GatedPolicy(golden_policy)
-    batcher = Batcher(gated, max_batch_size=8, batch_delay_ms=1.0)
-    kinds = ["graphed", "traced", "graphed", "graph-less", "graphed", "traced"]
-
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        requests = [golden_policy.request(observation(i), seed=i, num_steps=1, return_trace=kind == "traced")
-                    for i, kind in enumerate(kinds)]
-        requests[3].cuda_graph = False
-        first = asyncio.ensure_future(batcher.submit(requests[0]))
-        await loop.run_in_executor(None, gated.entered.wait)
-        rest = [asyncio.ensure_future(batcher.submit(r)) for r in requests[1:]]
-        await asyncio.sleep(0.05)
-        gated.gate.set()
-        return await asyncio.gather(first, *rest)
-
-    try:
-        results = asyncio.run(scenario())
-    finally:
-        batcher.close()
-    batches = [sorted(int(t.split()[-1]) for t in tasks) for tasks, _ in gated.batches]
-    assert sorted(batches[1:]) == [[1, 3, 5], [2, 4]]
-    assert [r.trace is not None for r in results] == [k == "traced" for k in kinds]
-    for i in (1, 5):
-        assert results[i].trace.shape[0] == 2 and np.array_equal(results[i].trace[-1], results[i].model_actions)
 
 
 # ---- the /v1 route ------------------------------------------------------------------------------------
