@@ -118,10 +118,11 @@ class Client:
         observations fail, ServerError when the whole request is refused. Realtime protocol only."""
         if self.protocol.name != "realtime":
             raise ValueError("infer_batch needs protocol='realtime' (the OpenPI protocol sends one observation a frame)")
-        if seed is not None and seeds is not None:
-            raise ValueError("give seed (item i gets seed + i) or seeds (one per observation), not both")
-        frame = self.protocol.encode_batch(observations, seed if seeds is None else [int(s) for s in seeds], num_inference_steps,
-                                           return_noise, return_trace)
+        if seeds is not None:
+            if seed is not None:
+                raise ValueError("give seed (item i gets seed + i) or seeds (one per observation), not both")
+            seed = [int(s) for s in seeds]
+        frame = self.protocol.encode_batch(observations, seed, num_inference_steps, return_noise, return_trace)
         answer, round_trip_ms = self._round_trip(frame)
         items, timing = self.protocol.decode_batch(answer)
         replies = [None if isinstance(item, ServerError) else

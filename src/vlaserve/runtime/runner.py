@@ -210,7 +210,7 @@ class Runtime:
         back into pinned memory, and an event marks when they are there; the runner moves the inputs
         itself, RTC guidance too: the fast path straight into its static buffers). `use_cache`: per item,
         whether it may use the prefix cache (default all); `graphs=False`: no graph replay; `trace`:
-        each Euler step's x comes back too (`Enqueued.trace`; the call runs without graph replay)."""
+        each Euler step's x comes back too (`Enqueued.trace`; a runner replays no graph for it)."""
         cache = self.prefix_cache
         if use_cache is not None and not any(use_cache):
             cache = None
@@ -227,7 +227,7 @@ class Runtime:
             steps = None if not trace else torch.empty((noise.shape[0], num_steps + 1, *noise.shape[1:]),
                                                        dtype=torch.float32, device=self.device)
             actions, stages = runner.dispatch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots,
-                                            graphs=graphs and not trace, trace=steps)
+                                            graphs=graphs, trace=steps)
             if cache is not None and not hit:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None and key is not None:
