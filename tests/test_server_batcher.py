@@ -344,17 +344,20 @@ def test_a_batch_that_fails_on_the_device_fails_only_its_bad_request():
     assert [[r.seed for r in b.requests] for b in device.batches] == [[1], [13, 2, 3], [13], [2], [3]]
 
 
-def test_graph_less_requests_are_batched_apart(golden_policy):
-    """runtime.cuda_graph false: a batch holds graphed requests or graph-less ones, never both."""
+@pytest.mark.parametrize("graph_less", [{1: "off", 3: "off", 5: "off"}, {1: "traced", 3: "off", 5: "traced"}],
+                         ids=["cuda_graph_false", "traced_and_cuda_graph_false"])
+def test_graph_less_requests_are_batched_apart(golden_policy, graph_less):
+    """runtime.cuda_graph false, or a trace asked for (which runs without graph replay): a batch holds graphed
+    requests or graph-less ones, never both; only the traced results carry a trace."""
     gated = GatedPolicy(golden_policy)
     batcher = Batcher(gated, max_batch_size=8, batch_delay_ms=1.0)
-    graphed = {i: i % 2 == 0 for i in range(6)}
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        requests = [golden_policy.request(observation(i), seed=i, num_steps=1) for i in range(6)]
+        requests = [golden_policy.request(observation(i), seed=i, num_steps=1,
+                                          return_trace=graph_less.get(i) == "traced") for i in range(6)]
         for i, request in enumerate(requests):
-            request.cuda_graph = graphed[i]
+            request.cuda_graph = graph_less.get(i) != "off"
         first = asyncio.ensure_future(batcher.submit(requests[0]))
         await loop.run_in_executor(None, gated.entered.wait)
         rest = [asyncio.ensure_future(batcher.submit(r)) for r in requests[1:]]
@@ -371,6 +374,9 @@ def test_graph_less_requests_are_batched_apart(golden_policy):
     for i, result in enumerate(results):
         expected = golden_policy.infer(observation(i), seed=i, num_steps=1).actions
         np.testing.assert_allclose(result.actions, expected, rtol=0, atol=ATOL)
+        assert (result.trace is not None) == (graph_less.get(i) == "traced")
+        if result.trace is not None:  # x before the one step, and after it
+            assert result.trace.shape[0] == 2 and np.array_equal(result.trace[-1], result.model_actions)
 
 
 def test_a_group_fills_batches_up_to_the_limit_in_order(golden_policy):

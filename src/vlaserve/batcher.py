@@ -48,8 +48,8 @@ class _Pending:
 
     @property
     def key(self) -> tuple:
-        """Requests batch together only with the same key: one step count, graphs or none."""
-        return self.request.num_steps, self.request.cuda_graph
+        """Requests batch together only with the same key: one step count, graphs or none (Request.graphs)."""
+        return self.request.num_steps, self.request.graphs
 
 
 _STOP = object()

@@ -167,7 +167,8 @@ class Policy:
         }
 
     # ---- the Python API ----------------------------------------------------------------------
-    def request(self, obs: dict, noise=None, seed=None, num_steps=None, rtc=None) -> Request:
+    def request(self, obs: dict, noise=None, seed=None, num_steps=None, rtc=None, *, return_noise: bool = False,
+                return_trace: bool = False) -> Request:
         """A Request from an observation in any layout the server takes ({"images": {camera: image},
         "state", "task"}, LeRobot's or OpenPI's keys; processing/layouts.py), its values checked."""
         if not isinstance(obs, dict):
@@ -176,7 +177,8 @@ class Policy:
         observation = Observation.create(canonical["images"], canonical.get("state"), canonical.get("task"),
                                          canonical.get("images_normalized", False))
         return Request.create(observation, canonical.get("noise") if noise is None else noise, seed, num_steps, rtc,
-                              default_steps=self.config.num_inference_steps)
+                              default_steps=self.config.num_inference_steps, return_noise=return_noise,
+                              return_trace=return_trace)
 
     def prepare(self, request: Request | dict) -> PreparedObservation:
         """Validates against this checkpoint and preprocesses; raises InvalidInput naming the field."""
@@ -187,19 +189,24 @@ class Policy:
         decode, no host resize)."""
         return self.preprocessor.is_light(request)
 
-    def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None,
-              rtc: dict | None = None) -> InferenceResult:
-        return self.run([self.request(obs, noise, seed, num_steps, rtc)])[0]
+    def infer(self, obs: dict, noise=None, seed=None, num_steps: int | None = None, rtc: dict | None = None, *,
+              return_noise: bool = False, return_trace: bool = False) -> InferenceResult:
+        """One action chunk. `seed` seeds the noise (docs/server.md#reproducible-runs) when none is given;
+        `return_noise` / `return_trace`: the result's `noise` / `trace` (InferenceResult)."""
+        return self.run([self.request(obs, noise, seed, num_steps, rtc, return_noise=return_noise,
+                                      return_trace=return_trace)])[0]
 
     def infer_batch(self, observations: list[dict], noise=None, seeds=None, num_steps: int | None = None,
-                    rtcs=None) -> list[InferenceResult]:
+                    rtcs=None, *, return_noise: bool = False, return_trace: bool = False) -> list[InferenceResult]:
+        """`infer` for several observations at once: `noise`, `seeds` and `rtcs`, if given, one per
+        observation (item i's noise is a function of seeds[i] alone)."""
         n = len(observations)
         per_item = {}
         for field, values in (("noise", noise), ("seed", seeds), ("rtc", rtcs)):
             if values is not None and len(values) != n:
                 raise InvalidRequest(field, f"expected one entry per observation ({n}), got {len(values)}")
             per_item[field] = [None] * n if values is None else list(values)
-        return self.run([self.request(o, z, s, num_steps, r)
+        return self.run([self.request(o, z, s, num_steps, r, return_noise=return_noise, return_trace=return_trace)
                          for o, z, s, r in zip(observations, per_item["noise"], per_item["seed"], per_item["rtc"])])
 
     def run(self, requests: list[Request]) -> list[InferenceResult]:
@@ -212,7 +219,7 @@ class Policy:
         steps = {r.num_steps for r in requests}
         if len(steps) != 1:
             raise InvalidRequest("num_steps", "requests of one batch must share the step count")
-        if len({r.cuda_graph for r in requests}) != 1:
+        if len({r.graphs for r in requests}) != 1:
             raise InvalidRequest("cuda_graph", "requests of one batch must all use graphs or none")
         started = time.perf_counter()
         with self._serving:  # (a request prepared before a weight update is prepared again here)
@@ -220,7 +227,7 @@ class Policy:
             inputs, noise, rtc = preprocessor.collate(requests)
             prepared = time.perf_counter()
             launched = self.runtime.enqueue(inputs, noise, steps.pop(), rtc, [r.prefix_cache for r in requests],
-                                           requests[0].cuda_graph)
+                                           requests[0].graphs, trace=any(r.return_trace for r in requests))
         return LaunchedBatch(self, preprocessor, requests, launched, (prepared - started) * 1e3)
 
     def update_weights(self, path_or_id: str) -> dict:
@@ -278,7 +285,10 @@ class LaunchedBatch:
         actions = self.preprocessor.postprocess(model_np, self.requests)
         timings = {"preprocess_ms": self.preprocess_ms, **stages, "device_ms": stages["prefix_ms"] + stages["denoise_ms"],
                    "postprocess_ms": (time.perf_counter() - post_start) * 1e3, "batch_size": len(self.requests)}
-        return [InferenceResult(actions[i], model_np[i], dict(timings), self._warnings(r.prepared))
+        trace = self.launched.trace
+        return [InferenceResult(actions[i], model_np[i], dict(timings), self._warnings(r.prepared),
+                                noise=r.prepared.noise.numpy().copy() if r.return_noise else None,
+                                trace=trace[i] if r.return_trace else None)
                 for i, r in enumerate(self.requests)]
 
     def _warnings(self, prepared: PreparedObservation) -> list[str]:

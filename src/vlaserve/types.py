@@ -22,6 +22,9 @@ from .errors import InvalidObservation, InvalidRequest
 # A request may ask for more Euler steps than the checkpoint's default, but one request must not be
 # able to hold the inference worker for minutes.
 MAX_INFERENCE_STEPS = 100
+# Seeds of the noise's generator (torch.Generator.manual_seed takes any 64-bit value; the wire's
+# integers are signed).
+MAX_SEED = 2**63 - 1
 # Bounds on what a request may carry, checked before any work (docs/server.md#limits). A longer task
 # would only be truncated at the model's token length, after tokenizing it (which holds the GIL: a
 # 16 MB task stalled every client for 20 s).
@@ -90,6 +93,12 @@ def _integer(value, field: str, low: int, high: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
         raise InvalidRequest(field, f"must be an integer in [{low}, {high}]")
     return int(value)
+
+
+def _flag(value, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(field, "must be true or false")
+    return value
 
 
 @dataclass(frozen=True)
@@ -204,18 +213,29 @@ class Request:
     # this request. True means "when the server has one"; graph-less requests are batched apart.
     prefix_cache: bool = True
     cuda_graph: bool = True
+    # What the result carries beside the actions: the noise used, and x at every Euler step.
+    return_noise: bool = False
+    return_trace: bool = False
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the request may replay CUDA graphs: a traced one runs without (its Euler loop writes
+        each step's x out, which a captured graph does not), batched apart like `cuda_graph` false."""
+        return self.cuda_graph and not self.return_trace
 
     @staticmethod
     def create(observation: Observation, noise=None, seed=None, num_steps=None, rtc=None, *,
-               default_steps: int, prefix_cache: bool = True, cuda_graph: bool = True) -> "Request":
+               default_steps: int, prefix_cache: bool = True, cuda_graph: bool = True,
+               return_noise: bool = False, return_trace: bool = False) -> "Request":
         """`default_steps`: the checkpoint's num_inference_steps, for a request that names none."""
         return Request(
             observation,
             num_steps=default_steps if num_steps is None else _integer(num_steps, "num_steps", 1, MAX_INFERENCE_STEPS),
             noise=None if noise is None else float_array(noise, "noise", ndim=2, max_abs=MAX_NOISE_ABS),
-            seed=None if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
+            seed=None if seed is None else _integer(seed, "seed", 0, MAX_SEED),
             rtc=None if rtc is None else rtc if isinstance(rtc, RtcOptions) else RtcOptions.create(rtc),
-            prefix_cache=prefix_cache, cuda_graph=cuda_graph)
+            prefix_cache=prefix_cache, cuda_graph=cuda_graph,
+            return_noise=_flag(return_noise, "return_noise"), return_trace=_flag(return_trace, "return_trace"))
 
 
 @dataclass
@@ -259,6 +279,12 @@ class InferenceResult:
     model_actions: np.ndarray  # float32 [horizon, max_action_dim], model space
     timings: dict[str, Any] = field(default_factory=dict)  # TIMING_STAGES in ms, plus batch_size
     warnings: list[str] = field(default_factory=list)
+    # Asked for with Request.return_noise / return_trace, else None. noise: float32 [horizon, max_action_dim],
+    # the noise the Euler loop started from (sent back as the request's noise, it gives these actions
+    # again, bit for bit); trace: float32 [num_steps + 1, horizon, max_action_dim], x before each Euler
+    # step and after the last (trace[0] is the noise, trace[-1] model_actions), model space.
+    noise: np.ndarray | None = None
+    trace: np.ndarray | None = None
 
 
 # Milliseconds per stage of one call, the same names on every route: decode and encode are the

@@ -77,9 +77,10 @@ class AsyncClient:
         return await self.connect()
 
     async def infer(self, observation: Mapping, *, rtc: Mapping | None = None, seed: int | None = None,
-                    num_inference_steps: int | None = None) -> Reply:
+                    num_inference_steps: int | None = None, return_noise: bool = False,
+                    return_trace: bool = False) -> Reply:
         """See `Client.infer`."""
-        frame = self.protocol.encode(observation, rtc, seed, num_inference_steps)
+        frame = self.protocol.encode(observation, rtc, seed, num_inference_steps, return_noise, return_trace)
         await self.connect()
         ws = self._ws
         started = time.perf_counter()
@@ -95,9 +96,9 @@ class AsyncClient:
             raise ConnectionLost(f"connection to {self.url} lost during a request: {e}") from e
         round_trip_ms = (time.perf_counter() - started) * 1000.0
         try:
-            actions, timing = self.protocol.decode(answer)
+            outputs, timing = self.protocol.decode(answer)
         except ServerError:
             if self.protocol.name == "openpi":
                 await self.close()
             raise
-        return Reply(actions, round_trip_ms, timing)
+        return Reply(round_trip_ms=round_trip_ms, server_timing=timing, **outputs)

@@ -65,6 +65,11 @@ class Reply:
     actions: np.ndarray            # [action_horizon, action_dim] float32, robot units
     round_trip_ms: float           # send -> reply decoded, as the client saw it
     server_timing: dict = field(default_factory=dict)
+    # Asked for with return_noise / return_trace (realtime protocol), else None; model space, float32.
+    noise: np.ndarray | None = None  # [action_horizon, padded_action_dim]: send it back as the observation's
+                                     # "noise" and the server answers the same actions, bit for bit
+    trace: np.ndarray | None = None  # [num_inference_steps + 1, action_horizon, padded_action_dim]: x before
+                                     # each Euler step and after the last (trace[0] is the noise)
 
 
 # ---- protocols ------------------------------------------------------------------------------------
@@ -74,14 +79,17 @@ class RealtimeProtocol:
     name, path = "realtime", "/v1/actions/realtime"
 
     @staticmethod
-    def encode(observation: Mapping, rtc: Mapping | None, seed: int | None,
-               num_inference_steps: int | None) -> bytes:
+    def encode(observation: Mapping, rtc: Mapping | None, seed: int | list[int] | None,
+               num_inference_steps: int | None, return_noise: bool = False, return_trace: bool = False) -> bytes:
         obs = dict(observation)
         if ("task" in obs) == ("prompt" in obs):
             raise ValueError("the observation needs exactly one of 'task' and 'prompt' (the instruction)")
         task = obs.pop("task", None) or obs.pop("prompt")
-        body = {"input": {"task": task, "observation": obs},
-                "runtime": {"output_format": "numpy", "return_timing": True}}
+        runtime = {"output_format": "numpy", "return_timing": True}
+        # Sent only when asked for: a server older than these options refuses fields it does not know.
+        runtime.update({k: True for k, asked in (("return_noise", return_noise), ("return_trace", return_trace))
+                        if asked})
+        body = {"input": {"task": task, "observation": obs}, "runtime": runtime}
         parameters = {k: v for k, v in (("seed", seed), ("num_inference_steps", num_inference_steps))
                       if v is not None}
         if parameters:
@@ -91,11 +99,15 @@ class RealtimeProtocol:
         return packb(body)
 
     @staticmethod
-    def encode_batch(observations: list[Mapping], seed: int | None, num_inference_steps: int | None) -> bytes:
+    def encode_batch(observations: list[Mapping], seed: int | list[int] | None, num_inference_steps: int | None,
+                     return_noise: bool = False, return_trace: bool = False) -> bytes:
         """B observations as one request (the batch form: a leading dimension of B on every array,
-        one task per observation). Their keys, and each array's shape, must match."""
+        one task per observation). Their keys, and each array's shape, must match. `seed`: one per
+        observation (a list of B), or one int for all (item i gets seed + i)."""
         if not observations:
             raise ValueError("infer_batch needs at least one observation")
+        if isinstance(seed, list) and len(seed) != len(observations):
+            raise ValueError(f"seeds holds one seed per observation: {len(seed)} given for {len(observations)}")
         if len({frozenset(o) for o in observations}) != 1 or len({frozenset(o["images"]) for o in observations}) != 1:
             raise ValueError("every observation of a batch needs the same keys and cameras")
         stacked = {}
@@ -107,10 +119,10 @@ class RealtimeProtocol:
                 stacked[key] = list(values)
             else:
                 stacked[key] = _stack(values, key)
-        return RealtimeProtocol.encode(stacked, None, seed, num_inference_steps)
+        return RealtimeProtocol.encode(stacked, None, seed, num_inference_steps, return_noise, return_trace)
 
     @staticmethod
-    def decode(frame) -> tuple[np.ndarray, dict]:
+    def decode(frame) -> tuple[dict, dict]:
         items, timings = RealtimeProtocol.decode_batch(frame)
         if not items:
             raise ClientError("realtime reply has an empty data list")
@@ -120,18 +132,26 @@ class RealtimeProtocol:
 
     @staticmethod
     def decode_batch(frame) -> tuple[list, dict]:
-        """Each item's actions (or its ServerError) and the reply's timings; a whole-request error raises."""
+        """Each item's Reply fields ({"actions", "noise", "trace"}) or its ServerError, and the reply's
+        timings; a whole-request error raises."""
         reply = unpackb(frame) if isinstance(frame, bytes) else None
         if not isinstance(reply, dict):
             raise ClientError(f"unexpected realtime reply: {str(frame)[:200]!r}")
         if "error" in reply:
             raise _server_error(reply["error"])
         try:
-            items = [_server_error(item["error"]) if "error" in item else
-                     np.asarray(item["action"]["values"], dtype=np.float32) for item in reply["data"]]
+            items = [_server_error(item["error"]) if "error" in item else _outputs(item) for item in reply["data"]]
         except (KeyError, IndexError, TypeError):
             raise ClientError(f"realtime reply has no data[i].action.values: keys {sorted(reply)}") from None
         return items, dict(reply.get("timings") or {})
+
+
+def _outputs(item: Mapping) -> dict:
+    """One answered item's Reply fields: its actions, and the noise and trace it was asked for (None if not)."""
+    output = item.get("output") or {}
+    return {"actions": np.asarray(item["action"]["values"], dtype=np.float32),
+            **{name: None if name not in output else np.asarray(output[name]["values"], dtype=np.float32)
+               for name in ("noise", "trace")}}
 
 
 def _server_error(error) -> ServerError:
@@ -157,15 +177,16 @@ class OpenPIProtocol:
 
     @staticmethod
     def encode(observation: Mapping, rtc: Mapping | None, seed: int | None,
-               num_inference_steps: int | None) -> bytes:
+               num_inference_steps: int | None, return_noise: bool = False, return_trace: bool = False) -> bytes:
         if rtc is not None:
             raise RtcNotSupported("the OpenPI protocol carries no RTC guidance; use protocol='realtime'")
-        if seed is not None or num_inference_steps is not None:
-            raise ValueError("the OpenPI protocol takes no seed or num_inference_steps; use protocol='realtime'")
+        if seed is not None or num_inference_steps is not None or return_noise or return_trace:
+            raise ValueError("the OpenPI protocol takes no seed, num_inference_steps, return_noise or "
+                             "return_trace; use protocol='realtime'")
         return packb(dict(observation))
 
     @staticmethod
-    def decode(frame) -> tuple[np.ndarray, dict]:
+    def decode(frame) -> tuple[dict, dict]:
         if isinstance(frame, str):
             match = _OPENPI_ERROR.match(frame)
             if match is None:  # an internal error: the server sends its traceback
@@ -174,7 +195,7 @@ class OpenPIProtocol:
         reply = unpackb(frame)
         if not isinstance(reply, dict) or "actions" not in reply:
             raise ClientError(f"OpenPI reply has no 'actions': {str(reply)[:200]!r}")
-        return np.asarray(reply["actions"], dtype=np.float32), dict(reply.get("server_timing") or {})
+        return {"actions": np.asarray(reply["actions"], dtype=np.float32)}, dict(reply.get("server_timing") or {})
 
 
 PROTOCOLS = {p.name: p for p in (RealtimeProtocol, OpenPIProtocol)}

@@ -101,33 +101,43 @@ class Client:
         return self.connect()
 
     def infer(self, observation: Mapping, *, rtc: Mapping | None = None, seed: int | None = None,
-              num_inference_steps: int | None = None, reconnect: bool = True) -> Reply:
+              num_inference_steps: int | None = None, reconnect: bool = True, return_noise: bool = False,
+              return_trace: bool = False) -> Reply:
         """One action chunk for `observation` ({"images": {camera: HxWx3}, "state": [...], "task": str}).
         `rtc`: {"prev_chunk": [T, action_dim], "space": "action", "inference_delay", "execution_horizon", …}.
         `reconnect=False`: raise ConnectionLost instead of reconnecting first when disconnected (the
-        observation would be old by the time a reconnect ends). Raises ServerError (naming the field)
-        when the server refuses the request."""
-        frame = self.protocol.encode(observation, rtc, seed, num_inference_steps)
+        observation would be old by the time a reconnect ends). `return_noise` / `return_trace`: the
+        Reply's `noise` / `trace` (realtime protocol). Raises ServerError (naming the field) when the
+        server refuses the request."""
+        frame = self.protocol.encode(observation, rtc, seed, num_inference_steps, return_noise, return_trace)
         answer, round_trip_ms = self._round_trip(frame, reconnect)
         try:
-            actions, timing = self.protocol.decode(answer)
+            outputs, timing = self.protocol.decode(answer)
         except ServerError:
             if self.protocol.name == "openpi":  # the server closes the socket after an error
                 self.close()
             raise
-        return Reply(actions, round_trip_ms, timing)
+        return Reply(round_trip_ms=round_trip_ms, server_timing=timing, **outputs)
 
-    def infer_batch(self, observations: list[Mapping], *, seed: int | None = None,
-                    num_inference_steps: int | None = None) -> list[Reply]:
+    def infer_batch(self, observations: list[Mapping], *, seed: int | None = None, seeds: list[int] | None = None,
+                    num_inference_steps: int | None = None, return_noise: bool = False,
+                    return_trace: bool = False) -> list[Reply]:
         """One action chunk per observation, from one request (the server splits a batch larger than its
         batch limit). The observations share keys, cameras and array shapes; each has its own task (and
-        noise, if any). Raises BatchError (with the items that succeeded) when some observations fail,
-        ServerError when the whole request is refused. Realtime protocol only."""
+        noise, if any). `seeds`: one per observation (item i's noise depends on seeds[i] alone); or
+        `seed`: item i gets seed + i. Raises BatchError (with the items that succeeded) when some
+        observations fail, ServerError when the whole request is refused. Realtime protocol only."""
         if self.protocol.name != "realtime":
             raise ValueError("infer_batch needs protocol='realtime' (the OpenPI protocol sends one observation a frame)")
-        answer, round_trip_ms = self._round_trip(self.protocol.encode_batch(observations, seed, num_inference_steps))
+        if seeds is not None:
+            if seed is not None:
+                raise ValueError("give seed (item i gets seed + i) or seeds (one per observation), not both")
+            seed = [int(s) for s in seeds]
+        frame = self.protocol.encode_batch(observations, seed, num_inference_steps, return_noise, return_trace)
+        answer, round_trip_ms = self._round_trip(frame)
         items, timing = self.protocol.decode_batch(answer)
-        replies = [None if isinstance(item, ServerError) else Reply(item, round_trip_ms, timing) for item in items]
+        replies = [None if isinstance(item, ServerError) else
+                   Reply(round_trip_ms=round_trip_ms, server_timing=timing, **item) for item in items]
         errors = [item if isinstance(item, ServerError) else None for item in items]
         if any(errors):
             raise BatchError(replies, errors)

@@ -211,10 +211,10 @@ class FastRunner:
 
         return run
 
-    def _denoise_fn(self, buf, num_steps: int, rtc: StaticRTC | None):
+    def _denoise_fn(self, buf, num_steps: int, rtc: StaticRTC | None, trace: torch.Tensor | None = None):
         def run():
             sched = self.fast.schedule(num_steps)
-            return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc)
+            return self.fast.denoise(buf["pad"], buf["noise"], sched, buf["k_cache"], buf["v_cache"], rtc, trace)
 
         return run
 
@@ -227,8 +227,8 @@ class FastRunner:
             return self._graphed(self._prefix_graphs, (*buf["tokens"].shape, vision_slots), run)
         return run()
 
-    def _denoise(self, buf, num_steps: int, rtc: StaticRTC | None, graphs: bool):
-        run = self._denoise_fn(buf, num_steps, rtc)
+    def _denoise(self, buf, num_steps: int, rtc: StaticRTC | None, graphs: bool, trace: torch.Tensor | None):
+        run = self._denoise_fn(buf, num_steps, rtc, trace)
         if graphs:
             self.fast.schedule(num_steps)  # its tensors are allocated outside the capture
             return self._graphed(self._denoise_graphs, (*buf["tokens"].shape, num_steps, rtc is not None), run)
@@ -308,7 +308,8 @@ class FastRunner:
 
     @torch.no_grad()
     def dispatch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
-               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None, graphs: bool = True):
+               prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None, graphs: bool = True,
+               trace: torch.Tensor | None = None):
         """Enqueues one call -> (model-space actions [B, H, A]: the graph's output buffer, which the
         next call overwrites in stream order; its stage times). Nothing here waits for the device.
 
@@ -316,17 +317,19 @@ class FastRunner:
         the device. `prefix`: cached entries, one per item, restored instead of running the prefix. `vision_slots`:
         how many leading camera slots any item uses (absent cameras come last; the rest skip SigLIP).
         `graphs=False` (a request's runtime.cuda_graph false): the same kernels, never replayed nor
-        padded. A batch size without graphs for this shape runs as captured ones (`route`)."""
+        padded. A batch size without graphs for this shape runs as captured ones (`route`). `trace`
+        [B, num_steps + 1, H, A] (device, float32): filled with x at each Euler step (FastPi05.denoise),
+        which only a call without graphs does: a captured graph writes no trace."""
         b, token_len = inputs.tokens.shape
         if vision_slots is None:
             vision_slots = inputs.vision_slots()
-        graphs = graphs and self.use_graphs
+        graphs = graphs and self.use_graphs and trace is None
         parts = [(b, b)]
         if graphs and self.frozen:
             captured = self.captured_sizes(token_len, vision_slots, num_steps, rtc is not None, prefix is None)
             parts = route(b, captured) or parts  # none: run as it is (uncaptured, counted)
         if parts == [(b, b)]:
-            out, times = self._dispatch_one(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs)
+            out, times = self._dispatch_one(inputs, noise, num_steps, rtc, prefix, vision_slots, graphs, trace)
             self._last_rows = [(self._last, i) for i in range(b)]
             return out, times
         # Cut into parts and padded on the device (a padded batch repeats rows of every input: on the
@@ -361,7 +364,7 @@ class FastRunner:
     def _events(self):
         return tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
 
-    def _dispatch_one(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs):
+    def _dispatch_one(self, inputs, noise, num_steps, rtc, prefix, vision_slots, graphs, trace=None):
         b, token_len = inputs.tokens.shape
         buf = self.buffers(b, token_len)
         if prefix is None:
@@ -383,7 +386,7 @@ class FastRunner:
         # What only the Euler steps read goes up once the prefix is on its way.
         buf["noise"].copy_(noise, non_blocking=True)
         static_rtc = None if rtc is None else self._static_rtc(b, token_len, num_steps, rtc)
-        out = self._denoise(buf, num_steps, static_rtc, graphs)
+        out = self._denoise(buf, num_steps, static_rtc, graphs, trace)
         end.record()
         self._last, self._last_end = buf, end
         return out, EventTimes(start, mid, end, previous)

@@ -43,11 +43,13 @@ class StageTimes(Protocol):
 class Runner(Protocol):
     def dispatch(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None = None,
                prefix: list[PrefixEntry] | None = None, vision_slots: int | None = None,
-               graphs: bool = True) -> tuple[torch.Tensor, StageTimes]:
+               graphs: bool = True, trace: torch.Tensor | None = None) -> tuple[torch.Tensor, StageTimes]:
         """Enqueues a call: model-space actions [B, H, A] on the device (valid, in stream order, until
         the next dispatch) and its stage times. With `prefix` (one cached entry per item) the prefix
         pass is skipped; `vision_slots`: how many leading camera slots any item uses (known on the
-        host, so the device is never asked); `graphs=False`: the same math without graph replay."""
+        host, so the device is never asked); `graphs=False`: the same math without graph replay.
+        `trace` [B, num_steps + 1, H, A] (device, float32): filled with x before each Euler step and
+        the actions after the last, with the same math (no graph replay)."""
 
     def prefix_entry(self, i: int) -> PrefixEntry:
         """Item i's prefix K/V from the last call, as a cache entry."""
@@ -71,7 +73,7 @@ class EagerRunner:
         self._ctx: PrefixContext | None = None
 
     @torch.no_grad()
-    def dispatch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True):
+    def dispatch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True, trace=None):
         # non_blocking: a plain copy would wait for the batch the device is still running.
         inputs, noise = to_device(inputs, self.device), noise.to(self.device, non_blocking=True)
         rtc = None if rtc is None else rtc.to(self.device)
@@ -90,7 +92,11 @@ class EagerRunner:
             ctx = self.model.with_state(ctx, inputs.state)
         synchronize(self.device)
         t1 = time.perf_counter()
-        actions = self.model.denoise(ctx, noise, num_steps, rtc)
+        steps: dict | None = None if trace is None else {}
+        actions = self.model.denoise(ctx, noise, num_steps, rtc, trace=steps)
+        if trace is not None:
+            for k, x in enumerate([*steps["x_t"], actions]):
+                trace[:, k] = x
         synchronize(self.device)
         return actions, HostTimed({"prefix_ms": (t1 - t0) * 1e3, "denoise_ms": (time.perf_counter() - t1) * 1e3})
 
@@ -105,21 +111,21 @@ class Enqueued:
     blocks on an event, with no lock held: a graph recorded meanwhile is in thread-local capture mode
     (runtime/graphs.py `_Graph`), which another thread's event query or synchronize leaves alone."""
 
-    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, gate: Gate):
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None, stages: StageTimes, gate: Gate,
+                 trace: torch.Tensor | None = None):
         self._host, self._ready, self._stages, self._gate = host, ready, stages, gate
+        self._trace = trace
         gate.enqueued()
 
     @staticmethod
-    def of(actions: torch.Tensor, stages: StageTimes, gate: Gate) -> "Enqueued":
+    def of(actions: torch.Tensor, stages: StageTimes, gate: Gate, trace: torch.Tensor | None = None) -> "Enqueued":
+        """`trace`: the call's Euler trace on the device, brought back beside the actions."""
         if actions.device.type != "cuda":
-            return Enqueued(actions.float().cpu(), None, stages, gate)
-        # A fresh pinned block per batch: torch's caching host allocator hands it out again only
-        # once the copy recorded on it has finished, so batches in flight never share one.
-        host = torch.empty(actions.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(actions, non_blocking=True)
+            return Enqueued(actions.float().cpu(), None, stages, gate, trace)
+        host, host_trace = _to_pinned(actions), None if trace is None else _to_pinned(trace)
         ready = torch.cuda.Event()
         ready.record()
-        return Enqueued(host, ready, stages, gate)
+        return Enqueued(host, ready, stages, gate, host_trace)
 
     def done(self) -> bool:
         return self._ready is None or self._ready.query()
@@ -132,6 +138,20 @@ class Enqueued:
             return self._host.numpy(), self._stages.read()
         finally:
             self._gate.collected()
+
+    @property
+    def trace(self) -> np.ndarray | None:
+        """The Euler trace [B, num_steps + 1, H, A] (float32) once `wait` returned; None when not asked for."""
+        return None if self._trace is None else self._trace.numpy()
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy in host memory, enqueued. A fresh pinned block per batch: torch's caching host
+    allocator hands it out again only once the copy recorded on it has finished, so batches in flight
+    never share one."""
+    host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 # stats()["graphs"] of an engine nothing captures graphs for (the eager model): serving, and all captured, at once.
@@ -186,12 +206,13 @@ class Runtime:
         self._graph_stats = lambda: graph_stats
 
     def enqueue(self, inputs: ModelInputs, noise: torch.Tensor, num_steps: int, rtc: RTCGuidance | None,
-                use_cache: list[bool] | None = None, graphs: bool = True) -> "Enqueued":
+                use_cache: list[bool] | None = None, graphs: bool = True, trace: bool = False) -> "Enqueued":
         """Enqueues a host batch and returns without waiting for the device: no call here blocks on
         work already running (inputs go up from host memory without a stream sync, the actions come
         back into pinned memory, and an event marks when they are there; the runner moves the inputs
         itself, RTC guidance too: the fast path straight into its static buffers). `use_cache`: per item,
-        whether it may use the prefix cache (default all); `graphs=False`: no graph replay."""
+        whether it may use the prefix cache (default all); `graphs=False`: no graph replay; `trace`:
+        each Euler step's x comes back too (`Enqueued.trace`; a runner replays no graph for it)."""
         cache = self.prefix_cache
         if use_cache is not None and not any(use_cache):
             cache = None
@@ -205,13 +226,15 @@ class Runtime:
         with gate.entering(inputs.tokens.shape[1], vision_slots, num_steps, rtc is not None):
             runner = self.runner
             entries, hit = cache.fetch(keys) if cache is not None else (None, False)
+            steps = None if not trace else torch.empty((noise.shape[0], num_steps + 1, *noise.shape[1:]),
+                                                       dtype=torch.float32, device=self.device)
             actions, stages = runner.dispatch(inputs, noise, num_steps, rtc, entries if hit else None, vision_slots,
-                                            graphs=graphs)
+                                            graphs=graphs, trace=steps)
             if cache is not None and not hit:
                 for i, (key, entry) in enumerate(zip(keys, entries)):
                     if entry is None and key is not None:
                         cache.put(key, runner.prefix_entry(i))  # device copies, ordered before the next launch
-            return Enqueued.of(actions, stages, gate)
+            return Enqueued.of(actions, stages, gate, steps)
 
     def stage_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """New values of named parameters ((name, host tensor in any dtype) pairs) on the device in each parameter's

@@ -40,37 +40,38 @@ def failed_status(results: list) -> int:
 
 
 def reply_body(generation: Generation, results: list, timings: dict, started: float, identity: Mapping) -> dict:
-    """The response body. `encode_ms` covers converting the actions to their wire form; the final
+    """The response body. `encode_ms` covers converting the arrays to their wire form; the final
     serialization of the body follows the timings it contains, so it can't be in them."""
     encode_start = time.perf_counter()
     h = generation.action_horizon
     actions = [None if isinstance(r, ApiError) else r.actions[:h] for r in results]
-    values = [a if a is None or generation.output_format == "numpy" else a.tolist() for a in actions]
+    arrays = {"actions": actions, **{name: [None if isinstance(r, ApiError) else getattr(r, name) for r in results]
+                                     for name in _outputs(generation)}}
+    raw = generation.response_format == "raw"
+    wire = {name: _raw(values, generation) if raw else
+            [None if a is None else _tensor(a, generation.output_format) for a in values]
+            for name, values in arrays.items()}
     timings["encode_ms"] = ms_since(encode_start)
     timings["total_ms"] = ms_since(started)
     answered = [r for r in results if not isinstance(r, ApiError)]
-    if generation.response_format == "raw":
+    if raw:
         server = {k: timings[k] for k in ("decode_ms", "queue_ms", "encode_ms", "total_ms") if k in timings}
         body = {"server_timing": server}
         if answered:
             body["policy_timing"] = policy_timing(answered[-1].timings)
-        if not generation.batched:
-            body["actions"] = values[0]
-        elif len(answered) == len(results):  # [B, H, D]
-            stacked = np.stack(actions)
-            body["actions"] = stacked if generation.output_format == "numpy" else stacked.tolist()
-        else:  # an item failed: its actions are null, its error is in `errors`
-            body["actions"] = values
+        body.update(wire)
+        if generation.batched and len(answered) < len(results):  # an item failed: its values are null
             body["errors"] = [r.body()["error"] if isinstance(r, ApiError) else None for r in results]
         return body
     data = []
-    for i, (result, value, array) in enumerate(zip(results, values, actions)):
+    for i, result in enumerate(results):
         item = {"index": i, "input_index": i, "candidate_index": 0}
         if isinstance(result, ApiError):
             item.update(result.body())
         else:
-            item["action"] = {"type": "continuous", "values": value, "shape": list(array.shape),
-                              "dtype": str(array.dtype)}
+            item["action"] = {"type": "continuous", **wire["actions"][i]}
+            if len(wire) > 1:
+                item["output"] = {name: values[i] for name, values in wire.items() if name != "actions"}
         data.append(item)
     shape = next((a.shape for a in actions if a is not None), (0, 0))
     body = {
@@ -90,6 +91,32 @@ def reply_body(generation: Generation, results: list, timings: dict, started: fl
                            ("decode_ms", "queue_ms", *MODEL_STAGES, "encode_ms", "total_ms")
                            if k in timings}
     return body
+
+
+def _outputs(generation: Generation) -> tuple[str, ...]:
+    """What each answered item carries beside its actions (InferenceResult's field names, the reply's keys)."""
+    return tuple(name for name, asked in (("noise", generation.return_noise), ("trace", generation.return_trace))
+                 if asked)
+
+
+def _tensor(array: np.ndarray, output_format: str) -> dict:
+    """SGLang's tensor object: the form a request's arrays may take too (server.schema tensor_field), so
+    an item's output.noise goes back as input.observation.noise unchanged. Lists hold each float32 value
+    exactly (as doubles, which parse back to the same float32)."""
+    return {"values": array if output_format == "numpy" else array.tolist(), "shape": list(array.shape),
+            "dtype": str(array.dtype)}
+
+
+def _raw(arrays: list, generation: Generation):
+    """One field of a raw reply: the array of a lone observation; a batch's stacked [B, ...], or a list
+    with null for each failed item."""
+    numpy = generation.output_format == "numpy"
+    if not generation.batched:
+        return arrays[0] if numpy or arrays[0] is None else arrays[0].tolist()
+    if all(a is not None for a in arrays):
+        stacked = np.stack(arrays)
+        return stacked if numpy else stacked.tolist()
+    return [a if a is None or numpy else a.tolist() for a in arrays]
 
 
 def _steps(generation: Generation, default: int) -> int:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import InvalidInput, InvalidObservation
 from ..processing.layouts import KeyLayout
-from ..types import MAX_INFERENCE_STEPS, RTC_SCHEDULES, Observation, Request, RtcOptions
+from ..types import MAX_INFERENCE_STEPS, MAX_SEED, RTC_SCHEDULES, Observation, Request, RtcOptions
 from .codec import DecodeError, tensor_object
 
 class ApiError(Exception):
@@ -78,12 +78,21 @@ class InputIn(_Strict):
 
 class ParametersIn(_Strict):
     num_inference_steps: int | None = Field(None, description=f"1..{MAX_INFERENCE_STEPS}; default: the checkpoint's")
-    seed: int | None = Field(None, description="0..2^63-1; seeds the noise when no noise is given "
-                                               "(item i of a batch: seed + i)")
+    seed: int | list[int] | None = Field(
+        None, description="0..2^63-1; seeds the noise when no noise is given. A batch: one seed per observation "
+                          "(a list of B), or one for all (item i: seed + i)")
     action_horizon: int | None = Field(None, description="return this many leading actions (1..the checkpoint's "
                                                          "action_horizon); default all")
     action_dim: int | None = Field(None, description="the model's padded action dim (metadata "
                                                      "output.padded_action_dim); only that value is accepted")
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_list(cls, value):
+        # The decoders turn a list of numbers into an ndarray (server.codec): a list of seeds is one.
+        if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+            return [int(v) for v in value]
+        return value
 
 
 Toggle = bool | Literal["auto"]
@@ -99,6 +108,12 @@ class RuntimeIn(_Strict):
                                                      "store) for this request; true/auto: use it if enabled")
     cuda_graph: Toggle = Field("auto", description="false: run this request without CUDA graph replay (the same "
                                                    "math; batched apart); true/auto: use graphs if captured")
+    return_noise: bool = Field(False, description="each item's output.noise: the noise its Euler loop started from "
+                                                  "[action_horizon, max_action_dim]; sent back as "
+                                                  "input.observation.noise it gives the same actions, bit for bit")
+    return_trace: bool = Field(False, description="each item's output.trace: x before each Euler step and after the "
+                                                  "last [num_inference_steps + 1, action_horizon, max_action_dim], "
+                                                  "model space (runs without CUDA graph replay; batched apart)")
 
 
 class RtcIn(_Strict):
@@ -131,6 +146,8 @@ class Generation:
     output_format: str = "list"
     response_format: str = "envelope"
     action_horizon: int | None = None  # leading actions returned; None: all
+    return_noise: bool = False  # each answered item's noise and Euler trace in the reply
+    return_trace: bool = False
 
 
 def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: bool,
@@ -169,9 +186,10 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
     rtc = None if parsed.rtc is None else parsed.rtc.model_dump()
     if size is not None and rtc is not None:
         raise invalid("rtc", "RTC guidance is for one observation; send batched observations without it")
-    items = [(canonical, state, noise, task, params.seed)] if size is None else [
+    seeds = _seeds(params.seed, size)
+    items = [(canonical, state, noise, task, seeds[0])] if size is None else [
         ({cam: image[i] for cam, image in canonical.items()}, state[i], None if noise is None else noise[i],
-         task if isinstance(task, str) else task[i], None if params.seed is None else (params.seed + i) % 2**63)
+         task if isinstance(task, str) else task[i], seeds[i])
         for i in range(size)]
     requests = []
     for images_i, state_i, noise_i, task_i, seed_i in items:
@@ -180,13 +198,29 @@ def parse_generation(body, identity: dict, layout: KeyLayout, msgpack_response: 
             requests.append(Request.create(observation, noise_i, seed_i, params.num_inference_steps, rtc,
                                            default_steps=identity["num_inference_steps"],
                                            prefix_cache=runtime.prefix_cache is not False,
-                                           cuda_graph=runtime.cuda_graph is not False))
+                                           cuda_graph=runtime.cuda_graph is not False,
+                                           return_noise=runtime.return_noise, return_trace=runtime.return_trace))
         except InvalidInput as e:
             if size is None:
                 raise api_error(e, in_request_body=True) from None
             requests.append(api_error(e, in_request_body=True))
     return Generation(requests, size is not None, runtime.return_timing, output_format, runtime.response_format,
-                      horizon)
+                      horizon, runtime.return_noise, runtime.return_trace)
+
+
+def _seeds(seed: int | list[int] | None, size: int | None) -> list:
+    """Each observation's seed (None: unseeded). A list gives one per observation (a lone observation
+    may send a list of one); an int on a batch of B seeds item i with seed + i, wrapped into the seeds'
+    range. The values' range is checked per observation (Request.create)."""
+    n = 1 if size is None else size
+    if isinstance(seed, list):
+        if len(seed) != n:
+            what = f"the batch's {n} observations" if size is not None else "one observation"
+            raise invalid("parameters.seed", f"a list of seeds holds one per observation: {len(seed)} given for {what}")
+        return seed
+    if seed is not None and 0 <= seed <= MAX_SEED:
+        return [(seed + i) % (MAX_SEED + 1) for i in range(n)]
+    return [seed] * n  # None, or a value every observation refuses alike
 
 
 def tensor_field(value, field: str):
@@ -271,7 +305,8 @@ def _is_openpi_key(key) -> bool:
 
 # pydantic's words for a wrong JSON type, in the words of this API's fields.
 _EXPECTED = {("input", "task"): "a string, or a list of strings (one per observation of a batch)",
-             ("input", "prompt"): "a string, or a list of strings (one per observation of a batch)"}
+             ("input", "prompt"): "a string, or a list of strings (one per observation of a batch)",
+             ("parameters", "seed"): "an integer, or a list of integers (one per observation of a batch)"}
 
 
 def _schema_error(error: dict) -> ApiError:

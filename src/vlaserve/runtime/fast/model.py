@@ -362,13 +362,18 @@ class FastPi05:
             y = residual("down", act, lw.down, sched.gate[step, i, 1], scale1p, shift)
         return y.view(b, horizon, width)
 
-    def denoise(self, pad, noise, sched: TimeSchedule, k_cache, v_cache, rtc: "StaticRTC | None" = None):
+    def denoise(self, pad, noise, sched: TimeSchedule, k_cache, v_cache, rtc: "StaticRTC | None" = None,
+                trace: torch.Tensor | None = None):
+        """The Euler loop -> x at t = 0 [B, H, A]. `trace` [B, steps + 1, H, A] (float32), if given, gets x
+        before each step and after the last (copies beside the same kernels: the actions do not change)."""
         horizon = noise.shape[1]
         plen = pad.shape[1]
         geometry = self.action_geometry(pad, horizon, k_cache.shape[2])
         dt = -1.0 / len(sched.times)
+        if trace is not None:
+            trace[:, 0].copy_(noise)
         if self._fused_action_io and noise.shape[0] * horizon <= self.table["action"]["max_rows"]:
-            return self._denoise_fused(noise, sched, geometry, k_cache, v_cache, plen, dt, rtc)
+            return self._denoise_fused(noise, sched, geometry, k_cache, v_cache, plen, dt, rtc, trace)
         x = noise
         for step, t in enumerate(sched.times):
             v = self.velocity(x, step, sched, geometry, k_cache, v_cache, plen)
@@ -376,9 +381,11 @@ class FastPi05:
                 error = (rtc.prev - (x - t * v)) * rtc.weights[..., None]
                 v = v - rtc.guidance[step][:, None, None] * error
             x = x + dt * v
+            if trace is not None:
+                trace[:, step + 1].copy_(x)
         return x
 
-    def _denoise_fused(self, noise, sched, geometry, k_cache, v_cache, plen: int, dt: float, rtc):
+    def _denoise_fused(self, noise, sched, geometry, k_cache, v_cache, plen: int, dt: float, rtc, trace):
         """The Euler loop with the fp32 action projections, the update and RTC's guidance in one
         kernel between expert passes (kernels.action_step); x alternates between two buffers."""
         m = self.model
@@ -395,6 +402,8 @@ class FastPi05:
             kernels.action_step(xs[step % 2], h if step + 1 < steps else None, w_in, b_in,
                                 y=y.reshape(b * horizon, -1), w_out=w_out, b_out=b_out, x_out=xs[(step + 1) % 2],
                                 dt=dt, t=t, rtc=guidance, table=self.table)
+            if trace is not None:  # before the next step overwrites the other buffer
+                trace[:, step + 1].copy_(xs[(step + 1) % 2].view(b, horizon, a))
         return xs[steps % 2].view(b, horizon, a)
 
 
