@@ -326,8 +326,9 @@ class FastRunner:
 
     def _captures_first(self) -> bool:
         """Whether a capture may go before its warm-up: once a warm-up has run, and only with Triton's and
-        cuBLAS's kernels (a CuTe library compiles per shape, unseen by Triton)."""
-        return bool(self._warmed) and self.gemm_library == "cublas" and self.attention_library == "triton"
+        cuBLAS's kernels, or the invariant ones (Triton's too; a CuTe library compiles per shape, unseen by Triton)."""
+        return bool(self._warmed) and self.gemm_library in ("cublas", "invariant") \
+            and self.attention_library in ("triton", "invariant")
 
     def _capture_if_loaded(self, fn) -> _Graph | None:
         """The graph of `fn`, or None if it launches a Triton kernel not loaded in this process yet

@@ -26,7 +26,7 @@ def public_metadata(m: dict, settings: ServerSettings, batch_limit: int) -> dict
         "capabilities": {"exact_prefix_cache": cache, "cuda_graph": graphs, "realtime_websocket": True,
                          "openpi_websocket": True, "batch_inputs": True,
                          "max_batch_size": batch_limit, "multiple_candidates": False,
-                         "rtc": True},
+                         "rtc": True, "batch_invariant": m["batch_invariant"]},
         "limits": {"max_inference_steps": MAX_INFERENCE_STEPS, "max_payload_bytes": settings.max_payload_bytes,
                    "max_batch_size": batch_limit, "batch_delay_ms": settings.batch_delay_ms,
                    "max_task_chars": MAX_TASK_CHARS, "max_image_side": MAX_IMAGE_SIDE,
