@@ -83,9 +83,8 @@ def test_a_batch_of_8_equals_each_item_alone(invariant):
     reversed_batch = invariant.infer_batch([observations[i] for i in order], noise=[noise[i] for i in order],
                                            rtcs=[rtcs[i] for i in order])
     assert_bit_equal([r.model_actions for r in reversed_batch], [want[i] for i in order])
-    for size in (2, 3, 5):
-        part = invariant.infer_batch(observations[:size], noise=noise[:size], rtcs=rtcs[:size])
-        assert_bit_equal([r.model_actions for r in part], want[:size])
+    part = invariant.infer_batch(observations[2:5], noise=noise[2:5], rtcs=rtcs[2:5])
+    assert_bit_equal([r.model_actions for r in part], want[2:5])
 
 
 def test_prefix_cache_hits_equal_the_prefix_computed(invariant_cached):
