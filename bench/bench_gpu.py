@@ -719,6 +719,7 @@ def main():
 
 # ---- --batch-invariant ----------------------------------------------------------------------------------
 INVARIANT_OBSERVATIONS = 8  # random observations checked (each at every position of a batch of every size)
+SMOKE_OBSERVATIONS = 4  # --smoke: the CPU runs the eager model per item, in float32 (bf16 is slow there)
 
 
 def invariant_runners(model, policy_config, device: str) -> dict:
@@ -756,7 +757,7 @@ def bit_identity(alone: torch.Tensor, runs: list[tuple[str, list[int], torch.Ten
 
 
 def batch_invariant_run(smoke: bool, device: str, batches: list[int]) -> dict:
-    model, policy_config = bench_model(smoke, device)
+    model, policy_config = bench_model(smoke, device, torch.float32 if smoke else torch.bfloat16)
     vocab = model.config.vlm.vocab_size
     engines = invariant_runners(model, policy_config, device)
     bucket = default_bucket()
@@ -781,7 +782,7 @@ def batch_invariant_run(smoke: bool, device: str, batches: list[int]) -> dict:
                            f"{row['cost_vs_default_same_length']:+.1%})")
 
     engine = engines["invariant"]
-    n = max(INVARIANT_OBSERVATIONS, *batches)
+    n = max(SMOKE_OBSERVATIONS if smoke else INVARIANT_OBSERVATIONS, *batches)
     pool, pool_noise = make_inputs(n, vocab, seed=1000, device=device)
 
     def pick(items: list[int]) -> tuple[ModelInputs, torch.Tensor]:
