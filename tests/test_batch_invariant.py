@@ -195,11 +195,11 @@ mode = sys.argv[1]
 assert kernels.interpreted()
 invariant = mode == "invariant"
 table = SM90.batch_invariant_table() if invariant else SM90
-library = "invariant" if invariant else "cublas"
 gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
 cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=24, image_size=28), gemma, gemma)
 model = random_model(cfg, torch.float16, "cpu", seed=1, std=0.05)
-fast = FastPi05(model, launch_table=table, gemm_library=library, attention_library=library)
+fast = FastPi05(model, launch_table=table, gemm_library="invariant" if invariant else "cublas",
+               attention_library="invariant" if invariant else "triton")
 assert fast.use_triton
 cams, tokens, steps, horizon = 2, 8, 2, 50
 torch.manual_seed(0)
