@@ -28,6 +28,14 @@ its max|Δ| vs fp32 next to bf16's over several inputs per batch size, and its c
     python bench/bench_gpu.py --golden-only [--actions after.pt --compare-actions before.pt]
     python bench/bench_gpu.py --golden-only --launch-table sm89 --actions sm89.pt --compare-actions sm90.pt
     python bench/bench_gpu.py --golden-only --through-plan --actions new.pt --compare-actions before.pt
+    python bench/bench_gpu.py --batch-invariant [--batches 1,2,4,8]
+
+--batch-invariant: the batch-invariant fast path (RuntimeConfig.batch_invariant: its own GEMM and attention
+backends, its launch table, prompts at the checkpoint's length) against the default one in the same run, at
+each batch size: p50 of a served call, the cost against the default at its served prompt bucket and at the
+same prompt length; then bit-identity: >= 8 random observations, each alone and in batches of every size at
+every position (rotations), with graphs and without, and from prefix-cache entries; every item's actions must
+equal its alone bits. Writes bench_gpu_invariant.json and .png. (--smoke: the eager model per item on the CPU.)
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from vlaserve.model.rtc import RTCGuidance
 from vlaserve.precision import cosines
 from vlaserve.startup.capture import GraphCapture
 from vlaserve.startup.plan import capture_plan
-from vlaserve.runtime.runner import EagerRunner
+from vlaserve.runtime.runner import EagerRunner, PerItemRunner
 from vlaserve.types import ModelInputs
 
 CAMERAS = 3
@@ -525,6 +533,9 @@ def main():
     ap.add_argument("--through-plan", action="store_true",
                     help="--actions: capture the graphs first, as the server does (default: each graph on "
                          "its first call)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="only the batch-invariant mode against the default: cost and bit-identity "
+                         "(bench_gpu_invariant.json and .png)")
     ap.add_argument("--launch-table", choices=sorted(LAUNCH_TABLE_TARGETS),
                     help="run the fast path with this GPU family's launch table and features (default: this "
                          "GPU's; sm89 or sm80 on an H200: the portable path, no TMA, no PDL)")
@@ -537,6 +548,16 @@ def main():
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA device (--smoke runs on the CPU)")
     started = time.time()
+
+    if args.batch_invariant:
+        batches = [int(b) for b in (args.batches or "1,2,4,8").split(",")]
+        results = batch_invariant_run(args.smoke, device, batches)
+        results["elapsed_s"] = time.time() - started
+        save_json(results, args.out, "bench_gpu_invariant")
+        plot_invariant(results, args.out)
+        log("batch-invariant:", {b: results["timings"][b] for b in batches}, "identical:",
+            results["bit_identity"]["identical"])
+        return
 
     if args.golden_only or args.actions or args.compare_actions:
         golden = golden_suite(device)
@@ -695,6 +716,114 @@ def main():
     save()
     plot(results, args.out)
     print_table(results)
+
+
+# ---- --batch-invariant ----------------------------------------------------------------------------------
+INVARIANT_OBSERVATIONS = 8  # random observations checked (each at every position of a batch of every size)
+SMOKE_OBSERVATIONS = 4  # --smoke: the CPU runs the eager model per item, in float32 (bf16 is slow there)
+
+
+def invariant_runners(model, policy_config, device: str) -> dict:
+    """The default engine and the batch-invariant one, as start-up builds them (startup/engine.py)."""
+    if device != "cuda":
+        return {"default": EagerRunner(model, torch.device(device)),
+                "invariant": PerItemRunner(model, torch.device(device))}
+    from vlaserve.runtime.graphs import FastRunner
+
+    table = served_table(device)
+    return {"default": FastRunner(model, policy_config, launch_table=table),
+            "invariant": FastRunner(model, policy_config, gemm_library="invariant", attention_library="invariant",
+                                    launch_table=table.batch_invariant_table())}
+
+
+def rotations(n: int, b: int) -> list[list[int]]:
+    """Batches of b of n observations in which each observation sits at every position: b consecutive
+    observations (mod n) from every start."""
+    return [[(start + j) % n for j in range(b)] for start in range(n)]
+
+
+def bit_identity(alone: torch.Tensor, runs: list[tuple[str, list[int], torch.Tensor]]) -> dict:
+    """Each batch run's items against the observations' alone actions (alone [N, H, A]; runs: (what, item
+    indices, actions [B, H, A])): how many items were compared, the mismatches (what, batch size, position,
+    observation, max|Δ|), and whether all were bit-identical."""
+    mismatches, checked = [], 0
+    for what, items, actions in runs:
+        for position, item in enumerate(items):
+            checked += 1
+            if not torch.equal(actions[position].cpu(), alone[item].cpu()):
+                mismatches.append({"run": what, "batch": len(items), "position": position, "observation": item,
+                                   "max_abs": maxdiff(actions[position].cpu(), alone[item].cpu())})
+    return {"checked": checked, "identical": not mismatches and checked > 0, "mismatches": mismatches[:20],
+            "mismatched": len(mismatches)}
+
+
+def batch_invariant_run(smoke: bool, device: str, batches: list[int]) -> dict:
+    model, policy_config = bench_model(smoke, device, torch.float32 if smoke else torch.bfloat16)
+    vocab = model.config.vlm.vocab_size
+    engines = invariant_runners(model, policy_config, device)
+    bucket = default_bucket()
+    results: dict = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "torch": torch.__version__, "smoke": smoke, "batches": batches,
+                     "workload": {"cameras": CAMERAS, "tokens": TOKENS, "valid_tokens": VALID_TOKENS,
+                                  "default_bucket": bucket, "horizon": HORIZON, "steps": STEPS},
+                     "timings": {}}
+    for b in batches:
+        inputs, noise = make_inputs(b, vocab, seed=b, device=device)
+        row = {}
+        for name, length in (("default_served", bucket), ("default_full_length", TOKENS),
+                             ("invariant", TOKENS)):
+            engine = engines["invariant" if name == "invariant" else "default"]
+            batch = bucketed(inputs, length)
+            row[name] = time_ms(lambda: served_call(engine, batch, noise), device, **TIMING)
+        p50 = {name: t["p50_ms"] for name, t in row.items()}
+        row["cost_vs_default_served"] = p50["invariant"] / p50["default_served"] - 1
+        row["cost_vs_default_same_length"] = p50["invariant"] / p50["default_full_length"] - 1
+        results["timings"][b] = row
+        log(f"b{b}:", p50, f"cost {row['cost_vs_default_served']:+.1%} (same length "
+                           f"{row['cost_vs_default_same_length']:+.1%})")
+
+    engine = engines["invariant"]
+    n = max(SMOKE_OBSERVATIONS if smoke else INVARIANT_OBSERVATIONS, *batches)
+    pool, pool_noise = make_inputs(n, vocab, seed=1000, device=device)
+
+    def pick(items: list[int]) -> tuple[ModelInputs, torch.Tensor]:
+        index = torch.tensor(items, device=pool.tokens.device)
+        return ModelInputs(*(t[index] for t in (pool.images, pool.image_masks, pool.tokens, pool.token_mask))), \
+            pool_noise[index]
+
+    alone, entries = [], []
+    for i in range(n):
+        actions, _ = sample(engine, *pick([i]), vision_slots=CAMERAS)
+        alone.append(actions[0])
+        entries.append(engine.prefix_entry(0))
+    alone = torch.stack(alone)
+    runs = []
+    for b in batches:
+        for items in rotations(n, b):
+            runs.append(("graphs", items, sample(engine, *pick(items), vision_slots=CAMERAS)[0]))
+        items = list(range(b))
+        runs.append(("prefix_cache", items, sample(engine, *pick(items), prefix=[entries[i] for i in items],
+                                                   vision_slots=CAMERAS)[0]))
+        inputs, noise = pick(items)
+        actions, times = engine.dispatch(inputs, noise, STEPS, None, None, CAMERAS, graphs=False)
+        times.read()
+        runs.append(("no_graphs", items, actions.clone()))
+    results["bit_identity"] = {"observations": n, **bit_identity(alone, runs)}
+    return results
+
+
+def plot_invariant(results: dict, out) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = list(results["timings"])
+    for name in ("default_served", "default_full_length", "invariant"):
+        ax.plot(batches, [results["timings"][b][name]["p50_ms"] for b in batches], marker="o", label=name)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("p50 ms per call")
+    identical = results["bit_identity"]["identical"]
+    ax.set_title(f"batch-invariant vs default ({results['gpu']}); bit-identical: {identical}")
+    ax.legend()
+    save_png(fig, out, "bench_gpu_invariant")
 
 
 def fp8_gemm_tflops(device: str, n: int = 8192) -> float:

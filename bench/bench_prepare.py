@@ -137,7 +137,7 @@ async def hops(policy: Policy, raw: dict, args) -> dict:
     arrived: queue.Queue = queue.Queue()
 
     def launch_thread():  # stands for the batcher's launch (or completion) thread, blocked on its queue
-        while (item := launch_queue.get()) is not None:
+        while launch_queue.get() is not None:
             arrived.put(time.perf_counter())
 
     thread = threading.Thread(target=launch_thread)

@@ -239,3 +239,28 @@ def test_help(script):
     proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--help"], capture_output=True, text=True,
                           env=ENV)
     assert proc.returncode == 0 and "--smoke" in proc.stdout and "--out" in proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_gpu_batch_invariant(tmp_path):
+    """--batch-invariant on the CPU: the default and the per-item eager runner timed, and the bit-identity
+    check (every observation alone against each batch size at every position, from cache entries, without
+    graphs) run and passed; its comparison also finds a planted mismatch."""
+    run("bench_gpu", tmp_path, "--batch-invariant", "--batches", "1,2")
+    r = result(tmp_path, "bench_gpu_invariant", png=True)
+    assert set(r["timings"]) == {"1", "2"} and "cost_vs_default_served" in r["timings"]["2"]
+    # 4 observations (the GPU run's 8): rotations of 1 and 2 (4 runs each), a cache-entry and a no-graphs run
+    # per size
+    assert r["bit_identity"] == {"observations": 4, "checked": 4 + 8 + 2 * (1 + 2), "identical": True,
+                                 "mismatches": [], "mismatched": 0}
+    sys.path.insert(0, str(BENCH))
+    try:
+        import torch
+        from bench_gpu import bit_identity, rotations
+    finally:
+        sys.path.remove(str(BENCH))
+    assert sorted(tuple(sorted(p for p, i in enumerate(items) if i == 3)) for items in rotations(4, 4)) == \
+        [(0,), (1,), (2,), (3,)]  # observation 3 at every position once
+    alone = torch.zeros(2, 3)
+    planted = bit_identity(alone, [("x", [1, 0], torch.tensor([[0.0, 0, 0], [0, 1e-7, 0]]))])
+    assert not planted["identical"] and planted["mismatches"][0]["observation"] == 0

@@ -195,6 +195,9 @@ class RuntimeConfig:
                                                              "refuses any sign disagreement on them", flag=False)
     action_groups: tuple | str = _option((), "NAME=I-J;...", "action groups the fp8 gate checks one by one, "
                                                              "as arm=0-5;gripper=6", flag=False)
+    batch_invariant: bool = _option(False, None, "compute each observation's actions bit-identically at every batch "
+                                                 "size and batch position (CUDA: fixed-order kernels, slower; "
+                                                 "prompts padded to the checkpoint's length; docs/server.md)")
     fast_path: bool = True  # CUDA: fused weights, Triton kernels, CUDA graphs (False: the eager model)
     memory_budget_bytes: int | None = None  # check the fit against this instead of the free device memory
 
@@ -234,6 +237,15 @@ class RuntimeConfig:
              "precision fp8 does not combine with the offload memory profile (fp8 weights already halve the memory)"),
             (self.precision == "bf16" or self.gemm_library == "cublas",
              "precision fp8 runs its GEMMs through torch._scaled_mm: gemm_library must be cublas"),
+            (not self.batch_invariant or self.precision == "bf16",
+             "batch_invariant needs precision bf16: fp8's per-token scales and GEMMs are not batch-invariant"),
+            (not self.batch_invariant or self.gemm_library == "cublas",
+             "batch_invariant takes its own fixed-order GEMMs: gemm_library must be cublas (the default), not quack"),
+            (not self.batch_invariant or self.attention_library == "triton",
+             "batch_invariant takes its own fixed-order attention: attention_library must be triton, not fa4"),
+            (not self.batch_invariant or self.prompt_buckets in ("auto", ()),
+             "batch_invariant pads every prompt to the checkpoint's length: prompt_buckets must be auto or none "
+             "(a bucket chosen by a batch's longest prompt would change the other items' shapes)"),
             (self.max_batch_size >= 1, "max_batch_size must be at least 1"),
             (self.prefix_cache >= 0, "prefix_cache must not be negative"),
             (self.compile_cache is None or bool(str(self.compile_cache).strip()),
@@ -256,9 +268,9 @@ class RuntimeConfig:
         (max|Δ| vs fp32 as without); on CUDA its graphs are captured at warm-up, and a call whose prompt
         fits runs a shorter prefix (docs/benchmarks.md).
         The eager model (a CPU, or fast_path=False) keeps the reference's shapes, where the golden
-        cases compare every intermediate tensor."""
-        if self.prompt_buckets != "auto":
-            return self.prompt_buckets
+        cases compare every intermediate tensor. batch_invariant: none (one prompt length for every batch)."""
+        if self.prompt_buckets != "auto" or self.batch_invariant:
+            return () if self.batch_invariant else self.prompt_buckets
         half = max_token_len // 2 // 16 * 16
         return (half,) if self.runs_fast_path(device_type) and 16 <= half < max_token_len else ()
 

@@ -159,6 +159,7 @@ class Policy:
             "device": str(r.device), "parameter_counts": self.parameter_counts,
             "normalization": self.preprocessor.normalization.source, "tokenizer": self.preprocessor.tokenizer.source,
             "memory_profile": r.settings.memory_profile, "max_batch_size": r.settings.batch_limit,
+            "batch_invariant": r.settings.batch_invariant,
             "prompt_buckets": list(self.preprocessor.prompt_buckets) or None,
             "rename_map": self.preprocessor.pipeline.rename_map,
             "relative_actions": self.preprocessor.pipeline.relative_actions is not None, "precision": self.precision,

@@ -106,6 +106,45 @@ class EagerRunner:
                            ctx.pad_mask[i].clone())
 
 
+class PerItemRunner(EagerRunner):
+    """The eager model, batch-invariantly (RuntimeConfig.batch_invariant): each item of a batch runs on its
+    own, with the shapes it has alone (prompts are padded to the checkpoint's length in this mode), so its
+    actions are the bits it gets alone, at any batch size and position, from its prefix or a cached one.
+    Nothing of another item reaches its call: its inputs, noise, RTC guidance and cache entry are its own
+    (an item without RTC in a guided batch has zero weights: the guidance is then exactly nothing, so it
+    runs unguided, as alone)."""
+
+    def __init__(self, model: Pi05Model, device: torch.device):
+        super().__init__(model, device)
+        self._entries: list[PrefixEntry] = []
+
+    @torch.no_grad()
+    def dispatch(self, inputs, noise, num_steps, rtc=None, prefix=None, vision_slots=None, graphs=True, trace=None):
+        actions, entries, times = [], [], {"prefix_ms": 0.0, "denoise_ms": 0.0}
+        for i in range(noise.shape[0]):
+            alone = None if rtc is None or not bool(rtc.weights[i].any()) else RTCGuidance(
+                rtc.prev[i:i + 1], rtc.weights[i:i + 1], rtc.max_weight[i:i + 1])
+            out, stages = super().dispatch(item_inputs(inputs, i), noise[i:i + 1], num_steps, alone,
+                                           None if prefix is None else [prefix[i]],
+                                           trace=None if trace is None else trace[i:i + 1])  # (a view: written through)
+            actions.append(out)
+            entries.append(super().prefix_entry(0))
+            for stage, ms in stages.read().items():
+                times[stage] += ms
+        self._entries = entries
+        return torch.cat(actions), HostTimed(times)
+
+    def prefix_entry(self, i: int) -> PrefixEntry:
+        return self._entries[i]
+
+
+def item_inputs(inputs: ModelInputs, i: int) -> ModelInputs:
+    """Item i of a batch as a batch of one: its own tensors, its pending frames renumbered."""
+    return ModelInputs(inputs.images[i:i + 1], inputs.image_masks[i:i + 1], inputs.tokens[i:i + 1],
+                       inputs.token_mask[i:i + 1], None if inputs.state is None else inputs.state[i:i + 1],
+                       tuple((0, slot, frame) for item, slot, frame in inputs.pending if item == i))
+
+
 class Enqueued:
     """A batch whose device work is enqueued; its actions land in host memory when `done`. Its wait
     blocks on an event, with no lock held: a graph recorded meanwhile is in thread-local capture mode
@@ -180,7 +219,7 @@ class Runtime:
             from .offload import LayerOffload
 
             self.offload = LayerOffload(model, device)
-        self.runner: Runner = EagerRunner(model, device)
+        self.runner: Runner = (PerItemRunner if runtime.batch_invariant else EagerRunner)(model, device)
         self.fast_path = False
         self.graph_bytes = 0  # device memory the fast path's buffers and graphs took at warm-up
         self.state = "ready"  # see the class docstring

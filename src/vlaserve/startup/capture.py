@@ -129,9 +129,10 @@ class GraphCapture:
 
     def _captures_first(self) -> bool:
         """Whether a capture may go before its warm-up: once a warm-up has run, and only with Triton's and
-        cuBLAS's kernels (a CuTe library compiles per shape, unseen by Triton)."""
+        cuBLAS's kernels, or the invariant ones (Triton's too; a CuTe library compiles per shape, unseen by Triton)."""
         runner = self.runner
-        return bool(self._warmed) and runner.gemm_library == "cublas" and runner.attention_library == "triton"
+        return (bool(self._warmed) and runner.gemm_library in ("cublas", "invariant")
+                and runner.attention_library in ("triton", "invariant"))
 
     def _capture_if_loaded(self, fn):
         """The graph of `fn`, or None if it launches a Triton kernel not loaded in this process yet

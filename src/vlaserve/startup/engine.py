@@ -81,9 +81,14 @@ def start(runtime: Runtime, progress: bool = False, weights_pending: bool = Fals
     pool = CompilePool(compile_workers()) if is_empty(cache) else None
     startup = Startup(runtime, progress)
     config = runtime.config
+    table = table_for(target)
+    if settings.batch_invariant:  # its own backends and launches, chosen once here (RuntimeConfig checked the rest)
+        gemm_library = attention_library = "invariant"
+        table = table.batch_invariant_table()
+    else:
+        gemm_library, attention_library = settings.gemm_library, settings.attention_library
     fast = FastRunner(runtime.model, config, lock=startup.turns.lock, layer_stream=runtime.offload,
-                      gemm_library=settings.gemm_library, attention_library=settings.attention_library,
-                      launch_table=table_for(target))
+                      gemm_library=gemm_library, attention_library=attention_library, launch_table=table)
     lengths = prompt_lengths(settings.prompt_buckets, config.max_token_len)
     plan = capture_plan(settings.graph_sizes, lengths, len(config.cameras))
     if runtime.offload is not None:  # its prefix streams its layers outside graphs: the Euler steps' only

@@ -1,7 +1,8 @@
 """The fast path's library variants, chosen once when a FastPi05 is built: a GEMM backend for the
 prefix's and SigLIP's projections (cuBLAS; quack, CuTe DSL, with the activations in its epilogue;
-fp8, for a model converted to precision fp8) and an attention backend for the prefix's attention
-(our Triton kernel; FlashAttention-4). Each class says where it runs (`supports(target, dtype,
+fp8, for a model converted to precision fp8; invariant, batch_invariant's fixed-order Triton GEMM) and an
+attention backend for the prefix's and SigLIP's attention (our Triton kernel and torch's; FlashAttention-4;
+invariant). Each class says where it runs (`supports(target, dtype,
 profile)`) and what it needs when it does not; `gemm_backend` / `attention_backend` check the
 combination once and raise ConfigError, so FastPi05's methods call `self.gemm` / `self.attention`
 with no flag of their own. Every backend computes the same bits as the default one (cute.py,
@@ -33,6 +34,7 @@ class Backend:
 
     name: ClassVar[str]
     needs: ClassVar[str] = ""
+    whole_model_on_triton: ClassVar[bool] = False  # FastPi05 then refuses a model whose stacks run stock kernels
 
     @classmethod
     def supports(cls, target: Target | None, dtype: torch.dtype, profile: str) -> bool:
@@ -125,8 +127,29 @@ class Fp8Gemm(CublasGemm):
         return isinstance(w, Fp8Weight) and w.input_scale is None
 
 
+class InvariantGemm(CublasGemm):
+    """batch_invariant's GEMMs (the prefix's, SigLIP's, its patch embedding and the projector): our Triton GEMM
+    with one tile per operand dtype at every row count and no split (kernels.fixed_linear), where cuBLAS picks
+    its algorithm, and so its summation order, by the row count; the activations after it as CublasGemm's."""
+
+    name = "invariant"
+    needs = "the Triton fast path (bfloat16 on CUDA, or Triton's interpreter)"
+    whole_model_on_triton = True
+
+    @classmethod
+    def supports(cls, target, dtype, profile) -> bool:
+        return kernels.available() and dtype != torch.float32
+
+    def __init__(self, table: LaunchTable):
+        self.table = table
+
+    def linear(self, x, w, bias=None, gemm=None):
+        return kernels.fixed_linear(x, w, bias, self.table)
+
+
 class TritonAttention(Backend):
-    """The prefix's attention through kernels.mqa_attention, its masked keys as an fp32 bias."""
+    """The prefix's attention through kernels.mqa_attention, its masked keys as an fp32 bias; SigLIP's through
+    torch's scaled_dot_product_attention."""
 
     name = "triton"
 
@@ -141,6 +164,13 @@ class TritonAttention(Backend):
         """q [B, num_heads * tokens, D] (head-major), k/v [B, T, D] -> [B, tokens, num_heads * D]."""
         cfg = kernels.prefix_attention_config(q.shape[0], self.table)
         return kernels.mqa_attention(q, k_cache, v_cache, keys, num_heads, tokens, cfg, self.table)
+
+    def vision(self, qkv: torch.Tensor, images: int, patches: int, heads: int, head_dim: int) -> torch.Tensor:
+        """SigLIP's attention: qkv [images * patches, 3 * heads * head_dim] (or [images, patches, ...]) ->
+        [..., heads * head_dim] in qkv's leading shape."""
+        q, k, v = qkv.view(images, patches, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
+        return attn.transpose(1, 2).reshape(qkv.shape[:-1] + (heads * head_dim,))
 
 
 class Fa4Attention(TritonAttention):
@@ -164,8 +194,26 @@ class Fa4Attention(TritonAttention):
         return flash.prefix_attention(q, k_cache, v_cache, keys, num_heads, tokens)
 
 
-GEMMS = {cls.name: cls for cls in (CublasGemm, QuackGemm, Fp8Gemm)}
-ATTENTIONS = {cls.name: cls for cls in (TritonAttention, Fa4Attention)}
+class InvariantAttention(TritonAttention):
+    """batch_invariant's attention: the prefix's through kernels.mqa_attention with a batch-invariant table
+    (its batch-1 tiles and key splits at every batch size), SigLIP's through kernels.fixed_vision_attention
+    (torch's attention may split the keys by how many images fill the GPU)."""
+
+    name = "invariant"
+    needs = InvariantGemm.needs
+
+    @classmethod
+    def supports(cls, target, dtype, profile) -> bool:
+        return InvariantGemm.supports(target, dtype, profile)
+
+    def vision(self, qkv, images, patches, heads, head_dim):
+        out = kernels.fixed_vision_attention(qkv.reshape(-1, qkv.shape[-1]), images, patches, heads, head_dim,
+                                             self.table)
+        return out.view(qkv.shape[:-1] + (heads * head_dim,))
+
+
+GEMMS = {cls.name: cls for cls in (CublasGemm, QuackGemm, Fp8Gemm, InvariantGemm)}
+ATTENTIONS = {cls.name: cls for cls in (TritonAttention, Fa4Attention, InvariantAttention)}
 
 
 def _checked(option: str, registry: dict, name: str, target, dtype, profile) -> type:
@@ -178,9 +226,10 @@ def _checked(option: str, registry: dict, name: str, target, dtype, profile) -> 
 
 
 def gemm_backend(library: str, model, target: Target | None, dtype: torch.dtype, profile: str, triton: bool,
-                 device: torch.device) -> CublasGemm:
+                 device: torch.device, table: LaunchTable) -> CublasGemm:
     """The GEMM backend for `model`: fp8 where its layers are fp8 (library must then be cublas: fp8 has its
-    own GEMM), else `library` ("cublas" or "quack"); triton: the stock-kernel path's fp8 quantizer otherwise."""
+    own GEMM), else `library` ("cublas", "quack", or "invariant": batch_invariant's, with `table` a batch-invariant
+    launch table); triton: the stock-kernel path's fp8 quantizer otherwise."""
     if any(isinstance(lin, Fp8Linear) for lin in model.expert.modules()):
         raise ConfigError("precision 'fp8+expert' runs on the eager model (fast_path=False): the fast path's "
                           "expert kernels take bfloat16 weights")
@@ -193,11 +242,22 @@ def gemm_backend(library: str, model, target: Target | None, dtype: torch.dtype,
     cls = _checked("gemm_library", GEMMS, "fp8" if fp8 else library, target, dtype, profile)
     if cls is QuackGemm:
         return QuackGemm(device)
+    if cls is InvariantGemm:
+        return InvariantGemm(_invariant(table))
     return Fp8Gemm(triton) if cls is Fp8Gemm else CublasGemm()
 
 
 def attention_backend(library: str, target: Target | None, dtype: torch.dtype, profile: str, table: LaunchTable,
                       device: torch.device) -> TritonAttention:
-    """The prefix's attention backend: `library` ("triton" or "fa4")."""
+    """The prefix's attention backend: `library` ("triton", "fa4", or "invariant" with a batch-invariant table)."""
     cls = _checked("attention_library", ATTENTIONS, library, target, dtype, profile)
+    if cls is InvariantAttention:
+        return InvariantAttention(_invariant(table))
     return Fa4Attention(table, device) if cls is Fa4Attention else TritonAttention(table)
+
+
+def _invariant(table: LaunchTable) -> LaunchTable:
+    if not table.batch_invariant:
+        raise ConfigError(f"the invariant backends take a batch-invariant launch table, not {table.name!r} "
+                          "(LaunchTable.batch_invariant_table)")
+    return table

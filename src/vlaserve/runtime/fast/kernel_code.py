@@ -309,6 +309,57 @@ if triton is not None:
             lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural units for the merge
             tl.store(lse_ptr + (b * SPLITS + pid_s) * NQ + qs, lse, mask=qs < NQ)
 
+    @triton.jit(do_not_specialize=["R"])
+    def _fixed_gemm(x_ptr, w_ptr, b_ptr, o_ptr, R, N, K, stride_x, stride_w,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    IEEE: tl.constexpr):
+        # batch_invariant's GEMM: o = x @ w^T (+ bias), one output tile a program, K reduced in BLOCK_K steps
+        # from 0 up in one fp32 accumulator (no split): every row's sums run in the same order whatever R is
+        # (R is not specialized on: one compiled kernel for every row count). IEEE: fp32 operands multiplied
+        # in fp32 (not tf32).
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < R) & (ks[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < R) & (cols[None, :] < N))
+
+    @triton.jit
+    def _fixed_mha(qkv_ptr, o_ptr, P, scale2, HEADS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+        # batch_invariant's SigLIP attention: qkv [N * P, 3 * HEADS * D] (q heads, k heads, v heads), one
+        # image, head and query block a program, its P keys in BLOCK_T tiles from 0 up: an image's sums run
+        # in the same order whatever N is. D padded to DP (a power of two) with zeros. -> o [N * P, HEADS * D].
+        pid_m, head, image = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        qs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DP)
+        width = 3 * HEADS * D
+        base = qkv_ptr + image * P * width + head * D
+        q = tl.load(base + qs[:, None] * width + d[None, :], mask=(qs[:, None] < P) & (d[None, :] < D), other=0.0)
+        m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
+        for t0 in range(0, P, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            live = (ts[:, None] < P) & (d[None, :] < D)
+            k = tl.load(base + HEADS * D + ts[:, None] * width + d[None, :], mask=live, other=0.0)
+            v = tl.load(base + 2 * HEADS * D + ts[:, None] * width + d[None, :], mask=live, other=0.0)
+            bias = tl.where(ts < P, 0.0, -3.0e38)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, bias, m_i, l_i, acc, scale2)
+        out = o_ptr + (image * P + qs[:, None]) * HEADS * D + head * D + d[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=(qs[:, None] < P) & (d[None, :] < D))
+
     @triton.jit
     def _mqa_merge(o_ptr, lse_ptr, out_ptr, NQ, H, HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
                    ROWS: tl.constexpr, PDL: tl.constexpr):

@@ -33,8 +33,8 @@ from .kernel_code import gdc_wait, triton
 from .launch_tables import SM90, LaunchTable
 
 if triton is not None:
-    from .kernel_code import (_action_step, _geglu_gemm, _geglu_rows, _gelu_flat, _mqa_merge, _mqa_split, _qkv_rope,
-                              _qkv_rope_gemm, _residual_layer_norm, _residual_norm, _splitk_gemm)
+    from .kernel_code import (_action_step, _fixed_gemm, _fixed_mha, _geglu_gemm, _geglu_rows, _gelu_flat, _mqa_merge,
+                              _mqa_split, _qkv_rope, _qkv_rope_gemm, _residual_layer_norm, _residual_norm, _splitk_gemm)
 
 try:  # Triton >= 3.4 (torch 2.11 ships 3.6)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -115,8 +115,10 @@ def _launch(name: str, rows: int, columns: int, table: LaunchTable, programs: in
     """The launch config of GEMM family `name` for `rows` x `columns` outputs, and its rows per
     program. One row tile (batch 1) has its own tuned config; more rows take the "batched" table's
     row tiles, and column tiles sized for about `programs` programs (one per SM of a 132-SM sm90 part)
-    where its block_n is None."""
+    where its block_n is None. A batch-invariant table takes the single-tile config at every row count."""
     single = table[name]
+    if table.batch_invariant:
+        return single, single["block_r"]
     if rows <= single["block_r"]:
         return single, max(16, _pow2(rows))
     cfg = dict(batched_config(rows, table)[name])
@@ -145,7 +147,8 @@ def splitk_partials(x2d: torch.Tensor, w: torch.Tensor, table: LaunchTable = SM9
     n = w.shape[0]
     cfg, block_r = _launch("splitk", r, n, table)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    splits = _split_k(cfg, block_r, n, k, r)
+    # batch-invariant: the splits of one row tile, whatever the rows (a function of N and K only)
+    splits = _split_k(cfg, block_r, n, k, block_r if table.batch_invariant else r)
     out = torch.empty(splits, r, n, dtype=torch.float32, device=x2d.device)
     pdl = pdl_enabled(table)
     _splitk_gemm[(triton.cdiv(n, block_n), splits, triton.cdiv(r, block_r))](
@@ -316,6 +319,37 @@ def mqa_attention(q, k_cache, v_cache, bias, num_heads: int, tokens: int, cfg,
     _mqa_merge[(triton.cdiv(nq, merge["rows"]), b)](parts, lse, out, nq, tokens, HQ=num_heads, SPLITS=splits, D=d,
                                                      ROWS=merge["rows"], PDL=pdl, num_warps=merge["warps"],
                                                      **launch_options(pdl))
+    return out
+
+
+def fixed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, table: LaunchTable) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T (+ bias) in x's dtype, with the table's "fixed_gemm" tile for that dtype at
+    every row count (batch_invariant's GEMM: kernel_code._fixed_gemm)."""
+    k, n = x.shape[-1], w.shape[0]
+    x2d = x.reshape(-1, k)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    ieee = x.dtype == torch.float32
+    cfg = table["fixed_gemm"]["fp32" if ieee else "half"]
+    r = x2d.shape[0]
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    _fixed_gemm[(triton.cdiv(n, cfg["block_n"]), triton.cdiv(r, cfg["block_r"]))](
+        x2d, w, w if bias is None else bias, out, r, n, k, x2d.stride(0), w.stride(0), BLOCK_R=cfg["block_r"],
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, IEEE=ieee,
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options())
+    return out.view(*x.shape[:-1], n)
+
+
+def fixed_vision_attention(qkv: torch.Tensor, images: int, patches: int, heads: int, head_dim: int,
+                           table: LaunchTable) -> torch.Tensor:
+    """SigLIP's attention over qkv [images * patches, 3 * heads * head_dim] -> [images * patches, heads *
+    head_dim], with the table's "fixed_attention" tiles at every image count (kernel_code._fixed_mha)."""
+    cfg = table["fixed_attention"]
+    out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    scale2 = head_dim**-0.5 * 1.4426950408889634  # the softmax scale times log2 e
+    _fixed_mha[(triton.cdiv(patches, cfg["block_m"]), heads, images)](
+        qkv, out, patches, scale2, HEADS=heads, D=head_dim, DP=_pow2(head_dim), BLOCK_M=cfg["block_m"],
+        BLOCK_T=cfg["block_t"], num_warps=cfg["warps"], num_stages=cfg["stages"], **launch_options())
     return out
 
 

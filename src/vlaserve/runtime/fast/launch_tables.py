@@ -43,6 +43,7 @@ class LaunchTable:
     configs: Mapping[str, Any]
     pdl: bool | None = None
     tma: bool | None = None
+    batch_invariant: bool = False  # every launch's config a function of its weight's shape, never of the rows
 
     def __getitem__(self, family: str):
         return self.configs[family]
@@ -54,6 +55,19 @@ class LaunchTable:
 
     def with_features(self, pdl: bool | None = None, tma: bool | None = None) -> "LaunchTable":
         return replace(self, pdl=pdl, tma=tma)
+
+    def batch_invariant_table(self) -> "LaunchTable":
+        """This table for `batch_invariant` serving: a GEMM's or attention's reduction order is chosen by its
+        weight's shape (N, K) or the key count, never by the batch's rows. So every family takes its batch-1
+        config at every row count (kernels._launch; split-K's splits those of one row tile), the attention its
+        batch-1 key splits and tiles, no expert GEMM goes through cuBLAS (which picks its algorithm by M), the
+        fused action step runs at every batch size, and the prefix's and SigLIP's GEMMs and SigLIP's attention
+        take the fixed tiles of FIXED_TILES (backends.InvariantGemm / InvariantAttention). At batch 1 the
+        expert's launches are the default table's."""
+        out = _thawed(self.configs)
+        out.update(attention_batched={}, prefix_attention_batched={}, cublas_from_batch={}, **FIXED_TILES)
+        out["action"]["max_rows"] = float("inf")
+        return replace(self, name=f"{self.name}-invariant", configs=_frozen(out), batch_invariant=True)
 
     def with_configs(self, **families) -> "LaunchTable":
         """A new table with the given families' configs replaced or updated ({"splitk": {...}, "batched":
@@ -112,6 +126,16 @@ _SM90 = {
     # GeGLU / residual-norm kernel on its bf16 output: the same rounding points) from this batch size
     # on; the rest run our split-K / fused kernels.
     "cublas_from_batch": {"qkv": 4, "gate_up": 4},
+}
+
+# batch_invariant's own kernels (kernels.fixed_linear, kernels.fixed_vision_attention): one tile per operand
+# dtype at every row count. 16-bit: (128 + 128) x 64 x 2 B = 32 KB a stage, 3 stages fit every target's shared
+# memory (99 KB and up); fp32 (the patch embedding, multiplied in fp32): (64 + 64) x 32 x 4 B = 16 KB a stage.
+# SigLIP's attention: 64 queries x 64 keys, its 72-wide heads padded to 128.
+FIXED_TILES = {
+    "fixed_gemm": {"half": {"block_r": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3},
+                   "fp32": {"block_r": 64, "block_n": 64, "block_k": 32, "warps": 4, "stages": 2}},
+    "fixed_attention": {"block_m": 64, "block_t": 64, "warps": 4, "stages": 2},
 }
 
 # Without TMA (sm80-89) the attention's q / k / v tiles pass through registers on their way to

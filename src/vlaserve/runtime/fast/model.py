@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...model.gemma import MASK_VALUE, apply_rope, rms_normalize, rope_cos_sin
 from ...model.flow import euler_times
 from ...model.pi05 import Pi05Model
@@ -64,7 +65,8 @@ class FastPi05:
                  attention_library: str = "triton", launch_table: LaunchTable = SM90):
         """gemm_library: "cublas", or "quack" for the prefix's and SigLIP's GEMMs where cute.FROM_ROWS
         says it is faster (an fp8 model takes its own GEMM); attention_library: "triton", or "fa4" for
-        the prefix's attention; launch_table: the GPU's (launch_tables.table_for)."""
+        the prefix's attention; launch_table: the GPU's (launch_tables.table_for). Batch-invariant serving
+        takes "invariant" for both and the table's batch_invariant_table()."""
         self.model = model
         self.layer_stream = layer_stream
         self.vlm_dims, self.expert_dims = model.vlm.dims, model.expert.dims
@@ -76,8 +78,12 @@ class FastPi05:
         expert_on_triton = self.use_triton and kernels.supported(self.expert_dims)
         target = device_target(self.device) if prefix_on_triton else None
         profile = "offload" if layer_stream is not None else "resident"
-        self.gemm = gemm_backend(gemm_library, model, target, self.dtype, profile, self.use_triton, self.device)
+        self.gemm = gemm_backend(gemm_library, model, target, self.dtype, profile, self.use_triton, self.device,
+                                 launch_table)
         self.attention = attention_backend(attention_library, target, self.dtype, profile, launch_table, self.device)
+        if self.gemm.whole_model_on_triton and not (prefix_on_triton and expert_on_triton):
+            raise ConfigError(f"gemm_library {gemm_library!r} needs every stack on the Triton kernels; this model's "
+                              "prefix or expert dimensions run stock kernels")
         self._vision_layers = self._vision_triton if self.use_triton else self._vision_torch
         self._prefix_layers = self._prefix_triton if prefix_on_triton else self._prefix_torch
         self._expert = self._expert_triton if expert_on_triton else self._expert_torch
@@ -155,7 +161,7 @@ class FastPi05:
         p = conv.kernel_size[0]
         patches = images.to(conv.weight.dtype).view(n, c, height // p, p, width // p, p)
         patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(n, (height // p) * (width // p), c * p * p)
-        return F.linear(patches, conv.weight.view(conv.weight.shape[0], -1), conv.bias)
+        return self.gemm.linear(patches, conv.weight.view(conv.weight.shape[0], -1), conv.bias)
 
     def warm_vision_attention(self, images: int) -> None:
         """SigLIP's attention over `images` images of zeros, outside any capture (FastRunner.capture's
@@ -166,9 +172,7 @@ class FastPi05:
 
     def _vision_attention(self, qkv: torch.Tensor, n: int, p: int) -> torch.Tensor:
         d = self.model.vision.dims
-        q, k, v = qkv.view(n, p, 3, d.num_heads, d.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, scale=d.head_dim**-0.5)
-        return attn.transpose(1, 2).reshape(qkv.shape[:-1] + (d.num_heads * d.head_dim,))
+        return self.attention.vision(qkv, n, p, d.num_heads, d.head_dim)
 
     def _vision_triton(self, x: torch.Tensor) -> torch.Tensor:
         n, p, _ = x.shape
@@ -215,7 +219,8 @@ class FastPi05:
         img = torch.zeros(b, n * per_image, self.vlm_dims.width, dtype=self.dtype, device=images.device)
         if seen:
             feats = self.vision(images[:, :seen].flatten(0, 1))
-            img[:, :seen * per_image] = F.linear(feats, m.projector.weight, m.projector.bias).reshape(b, -1, img.shape[2])
+            img[:, :seen * per_image] = self.gemm.linear(feats, m.projector.weight,
+                                                         m.projector.bias).reshape(b, -1, img.shape[2])
         lang = m.vlm.embed(tokens)
         h = torch.cat([img.to(lang.dtype), lang], dim=1).to(self.dtype)
         pad = torch.cat([image_masks.repeat_interleave(per_image, dim=1), token_mask], dim=1)

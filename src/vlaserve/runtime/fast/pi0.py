@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...model.pi0 import Pi0Model
 from ...model.flow import PrefixContext, euler_times
 from .launch_tables import SM90, LaunchTable
@@ -69,5 +70,9 @@ def fast_model(model, use_triton: bool = True, layer_stream=None, gemm_library: 
                attention_library: str = "triton", launch_table: LaunchTable = SM90) -> FastPi05:
     """The fast path's math for `model`'s family."""
     cls = FastPi0 if isinstance(model, Pi0Model) else FastPi05
+    if cls is FastPi0 and gemm_library == "invariant":
+        # Its action-time MLP and state token run the eager model's GEMMs, whose order follows the batch.
+        raise ConfigError("batch_invariant serves Pi0 on the eager model only (fast_path=False, or a CPU): "
+                          "its fast path's action-time MLP runs torch's GEMMs")
     return cls(model, use_triton=use_triton, layer_stream=layer_stream, gemm_library=gemm_library,
                attention_library=attention_library, launch_table=launch_table)
