@@ -540,7 +540,7 @@ def test_payload_limit_on_websocket_messages(server):
 def test_health_metrics_and_docs(server, http):
     # The eager model on a CPU: no CUDA graphs, none to capture.
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok", "model": "checkpoint", "is_demo": False,
-                                                         "graphs": {"captured": 0, "total": 0}}
+                                                         "graphs": {"captured": 0, "total": 0}, "weight_version": 0}
     http.post(GENERATIONS, json=_good_body(parameters={"num_inference_steps": 1}))
     metrics = httpx.get(server.url + "/metrics").text
     # Set by the first answer (this module's tests sent some before): seconds since the process began.
