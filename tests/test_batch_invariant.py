@@ -87,6 +87,18 @@ def test_a_batch_of_8_equals_each_item_alone(invariant):
     assert_bit_equal([r.model_actions for r in part], want[2:5])
 
 
+
+def test_a_traced_batch_gives_each_item_its_own_trace_and_actions(invariant):
+    """return_trace on the per-item runner: each item's trace is written where its own call runs (a view of
+    the batch's), the same bits as alone, and ends in the actions returned."""
+    observations, noise, rtcs = batch_inputs(invariant, range(3))
+    lone = [invariant.infer(o, noise=z, rtc=r, return_trace=True) for o, z, r in zip(observations, noise, rtcs)]
+    batch = invariant.infer_batch(observations, noise=noise, rtcs=rtcs, return_trace=True)
+    for mine, single, z in zip(batch, lone, noise):
+        assert mine.trace.shape == (invariant.config.num_inference_steps + 1, *mine.model_actions.shape)
+        assert np.array_equal(mine.trace, single.trace) and np.array_equal(mine.model_actions, single.model_actions)
+        assert np.array_equal(mine.trace[0], z) and np.array_equal(mine.trace[-1], mine.model_actions)
+
 def test_prefix_cache_hits_equal_the_prefix_computed(invariant_cached):
     policy = invariant_cached
     observations, noise, rtcs = batch_inputs(policy, range(10, 18))
