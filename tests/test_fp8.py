@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from fixtures import fixture_dir
+from fixtures import fixture_dir, tiny_interpreted_model
 from test_bench_smoke import BF16_BOUND, run
 from torch import nn
 
@@ -524,20 +524,10 @@ def test_the_one_pass_geglu_quantizer_refuses_what_it_cannot_hold():
         fp8_kernels.geglu_quantized(torch.zeros(4, 64)[:, :32])
 
 
-FUSED_CALL_SCRIPT = r'''
-import json, sys, torch
-from vlaserve.demo import random_model
-from vlaserve.config import GemmaDims, ModelConfig, VisionDims
+FUSED_CALL_SCRIPT = tiny_interpreted_model(depth=2, cameras=2, steps=2) + r'''
 from vlaserve.model.fp8 import convert_to_fp8
-from vlaserve.runtime.fast import fp8_kernels, kernels
-from vlaserve.runtime.fast.model import FastPi05
+from vlaserve.runtime.fast import fp8_kernels
 
-assert kernels.available() and kernels.interpreted()
-gemma = GemmaDims(width=256, depth=2, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
-cfg = ModelConfig(VisionDims(width=64, depth=2, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
-torch.manual_seed(0)
-b, cams, tokens, steps, horizon = 1, 2, 8, 2, 50
-images = torch.rand(b, cams, 3, 28, 28) * 2 - 1
 masks = torch.ones(b, cams, dtype=torch.bool)
 tok = torch.randint(1, 64, (b, tokens))
 tmask = torch.ones(b, tokens, dtype=torch.bool)

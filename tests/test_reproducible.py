@@ -22,6 +22,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from fixtures import tiny_interpreted_model
 from test_fast_path import _HostEvent
 from test_server import free_port
 from vlaserve.errors import InvalidRequest
@@ -265,21 +266,10 @@ def test_client_seeds_noise_and_trace(live_url, golden_policy):
 
 
 # ---- the fast path's fused Euler step, in Triton's interpreter -----------------------------------------
-FUSED_TRACE_SCRIPT = r'''
-import json
-import torch
-from vlaserve.config import GemmaDims, ModelConfig, VisionDims
-from vlaserve.demo import random_model
+FUSED_TRACE_SCRIPT = tiny_interpreted_model(depth=1, cameras=1, steps=3) + r'''
 from vlaserve.model.rtc import RTCGuidance
-from vlaserve.runtime.fast import kernels
-from vlaserve.runtime.fast.model import FastPi05, StaticRTC
+from vlaserve.runtime.fast.model import StaticRTC
 
-assert kernels.available() and kernels.interpreted()
-gemma = GemmaDims(width=256, depth=1, mlp_dim=512, num_heads=2, num_kv_heads=1, head_dim=128, vocab_size=64)
-cfg = ModelConfig(VisionDims(width=64, depth=1, mlp_dim=128, num_heads=2, head_dim=32, image_size=28), gemma, gemma)
-torch.manual_seed(0)
-b, cams, tokens, steps, horizon = 1, 1, 8, 3, 50
-images = torch.rand(b, cams, 3, 28, 28) * 2 - 1
 noise = torch.randn(b, horizon, 32)
 fast = FastPi05(random_model(cfg, torch.float16, "cpu", seed=1, std=0.05), use_triton=True)
 assert fast._fused_action_io  # the Euler loop of kernels.action_step, x in two alternating buffers
